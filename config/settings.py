@@ -1,0 +1,143 @@
+"""The settings schema and how its layers are put together.
+
+Precedence, lowest first: defaults, the TOML file given with --config (or
+DORMOUSE_CONFIG), DORMOUSE_* environment variables, command-line flags. An
+error names the key and the layer it came from.
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from pathlib import Path
+from typing import Any, ClassVar, Literal
+
+from pydantic import Field, SecretStr, ValidationError, field_validator
+from pydantic_settings import (
+    BaseSettings,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    TomlConfigSettingsSource,
+)
+
+ENV_PREFIX = "DORMOUSE_"
+
+
+class ConfigError(ValueError):
+    """Bad configuration; the message names the key and where it came from."""
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="forbid", validate_default=True)
+
+    # -- network --
+    host: str = Field("127.0.0.1", description="address to bind; 127.0.0.1 unless told otherwise")
+    port: int = Field(8080, ge=0, le=65535)
+
+    # -- model --
+    model: Path | None = Field(None, description="GGUF file; empty means the bundled Gemma 3 270M")
+    model_draft: Path | None = Field(None, description="draft model for speculative decoding")
+    mmproj: Path | None = Field(None, description="multimodal projector GGUF")
+    ctx_size: int = Field(4096, ge=64, description="total context, shared by the slots")
+    parallel: int = Field(4, ge=1, le=256, description="slots")
+    threads: int | None = Field(None, ge=1, description="CPU threads; default: all cores")
+    n_gpu_layers: int = Field(-1, ge=-1, description="layers on the GPU; -1 all")
+    batch_size: int = Field(512, ge=1)
+    chat_template_file: Path | None = Field(None, description="Jinja chat template overriding the GGUF's")
+    draft_max: int = Field(16, ge=1)
+    draft_min: int = Field(0, ge=0)
+    draft_p_min: float = Field(0.75, ge=0.0, le=1.0)
+    warmup: bool = Field(True, description="run one decode after load so the first request is warm")
+
+    # -- sleep --
+    sleep_idle_seconds: float = Field(300, description="sleep after this many idle seconds; -1 never")
+    spawn_ahead: bool = Field(True, description="start the next worker (imports only) as soon as one exits")
+    wake_timeout: float = Field(120, gt=0, description="how long a request waits for a wake before 503")
+    load_timeout: float = Field(600, gt=0, description="how long a load may take before it is failed")
+    max_queued: int = Field(128, ge=0, description="requests accepted beyond the slots or during a wake")
+    retry_max_seconds: float = Field(60, gt=0, description="cap on the backoff between failed loads")
+
+    # -- access --
+    api_key: SecretStr | None = Field(None, description="Bearer key for /v1/*")
+    admin_key: SecretStr | None = Field(None, description="Bearer key for /sleep and /wake")
+    max_body_bytes: int = Field(8 * 1024 * 1024, ge=1024)
+
+    # -- operations --
+    log_format: Literal["auto", "console", "json"] = "auto"
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    shutdown_timeout: float = Field(30, ge=0, description="how long SIGTERM lets in-flight requests finish")
+    state_dir: Path | None = Field(None, description="where the bundled model is written; default $STATE_DIRECTORY or ~/.cache/dormouse")
+    worker_module: str = Field("daemon.worker", description="module run as the worker (tests use a fake)")
+
+    @field_validator("sleep_idle_seconds")
+    @classmethod
+    def _idle(cls, value: float) -> float:
+        if value < 0 and value != -1:
+            raise ValueError("must be >= 0, or -1 for never")
+        return value
+
+    @field_validator("model", "model_draft", "mmproj", "chat_template_file", "state_dir", mode="before")
+    @classmethod
+    def _empty_path_is_none(cls, value: Any) -> Any:
+        return None if value == "" else value
+
+    toml_file: ClassVar[Path | None] = None  # set on a per-load subclass by load_settings
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        sources: list[PydanticBaseSettingsSource] = [init_settings, env_settings]
+        if cls.toml_file is not None:
+            sources.append(TomlConfigSettingsSource(settings_cls, toml_file=cls.toml_file))
+        return tuple(sources)
+
+    def public_dict(self) -> dict[str, Any]:
+        """The effective settings, secrets masked, ready to print."""
+        out = self.model_dump(mode="json")
+        for key in ("api_key", "admin_key"):
+            out[key] = "********" if getattr(self, key) else None
+        return out
+
+
+def _where(key: str, cli: dict[str, Any], toml_file: Path | None, toml_data: dict[str, Any]) -> str:
+    if key in cli:
+        return f"command line --{key.replace('_', '-')}"
+    env_name = ENV_PREFIX + key.upper()
+    if env_name in os.environ:
+        return f"environment {env_name}"
+    if key in toml_data:
+        return f"config file {toml_file}"
+    return "default"
+
+
+def load_settings(config_file: str | Path | None = None, cli: dict[str, Any] | None = None) -> Settings:
+    """Build the effective settings; raise ConfigError naming the key and its source."""
+    cli = {k: v for k, v in (cli or {}).items() if v is not None}
+    config_file = config_file or os.environ.get(ENV_PREFIX + "CONFIG") or None
+    toml_file = Path(config_file) if config_file else None
+    toml_data: dict[str, Any] = {}
+    if toml_file is not None:
+        try:
+            toml_data = tomllib.loads(toml_file.read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"config file {toml_file} does not exist") from None
+        except (OSError, tomllib.TOMLDecodeError) as exc:
+            raise ConfigError(f"config file {toml_file} cannot be read: {exc}") from None
+
+    # A subclass carries the TOML path, so concurrent loads do not share it.
+    layered = type("LayeredSettings", (Settings,), {"toml_file": toml_file})
+    try:
+        layered_settings = layered(**cli)
+    except ValidationError as exc:
+        problems = []
+        for err in exc.errors():
+            key = str(err["loc"][0]) if err["loc"] else "?"
+            problems.append(f"{key}: {err['msg']} (from {_where(key, cli, toml_file, toml_data)})")
+        raise ConfigError("invalid configuration:\n  " + "\n  ".join(problems)) from None
+    return Settings.model_construct(**dict(layered_settings))

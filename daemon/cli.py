@@ -1,0 +1,87 @@
+"""The `dormouse` command: `serve` and `check-config`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from config import ConfigError, Settings, load_settings
+
+# CLI flag -> settings key. Names follow llama-server where both have the option.
+_FLAGS: list[tuple[str, dict[str, Any]]] = [
+    ("--host", {"help": "address to bind (default 127.0.0.1)"}),
+    ("--port", {"type": int, "help": "port (default 8080)"}),
+    ("--model", {"help": "GGUF model file (default: the bundled Gemma 3 270M)"}),
+    ("--model-draft", {"help": "draft model for speculative decoding"}),
+    ("--mmproj", {"help": "multimodal projector GGUF"}),
+    ("--ctx-size", {"type": int, "help": "context size shared by the slots (default 4096)"}),
+    ("--parallel", {"type": int, "help": "number of slots (default 4)"}),
+    ("--threads", {"type": int, "help": "CPU threads (default: all cores)"}),
+    ("--n-gpu-layers", {"type": int, "help": "layers to offload to the GPU (-1 all, the default)"}),
+    ("--batch-size", {"type": int, "help": "tokens per decode step (default 512)"}),
+    ("--chat-template-file", {"help": "Jinja chat template overriding the model's"}),
+    ("--sleep-idle-seconds", {"type": float, "help": "sleep after this many idle seconds (default 300, -1 never)"}),
+    ("--wake-timeout", {"type": float, "help": "how long a request waits for a wake before 503 (default 120)"}),
+    ("--max-queued", {"type": int, "help": "requests accepted beyond the slots (default 128)"}),
+    ("--api-key", {"help": "Bearer key required on /v1/*"}),
+    ("--admin-key", {"help": "Bearer key required on /sleep and /wake"}),
+    ("--log-format", {"choices": ["auto", "console", "json"]}),
+    ("--log-level", {"choices": ["debug", "info", "warning", "error"]}),
+    ("--shutdown-timeout", {"type": float, "help": "seconds SIGTERM lets in-flight requests finish (default 30)"}),
+    ("--state-dir", {"help": "where the bundled model is written"}),
+]
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="dormouse", description="A GGUF model server that sleeps when idle.")
+    commands = parser.add_subparsers(dest="command", required=True)
+    for name, help_text in (("serve", "run the daemon"), ("check-config", "print the effective settings and exit")):
+        sub = commands.add_parser(name, help=help_text, argument_default=argparse.SUPPRESS)
+        sub.add_argument("--config", help="TOML settings file (also DORMOUSE_CONFIG)")
+        for flag, options in _FLAGS:
+            sub.add_argument(flag, **options)
+        sub.add_argument("--spawn-ahead", dest="spawn_ahead", action=argparse.BooleanOptionalAction,
+                         help="start the next worker as soon as one exits (default on)")
+        sub.add_argument("--warmup", dest="warmup", action=argparse.BooleanOptionalAction,
+                         help="one decode after load (default on)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = vars(_parser().parse_args(argv))
+    command = args.pop("command")
+    config_file = args.pop("config", None)
+    try:
+        settings = load_settings(config_file, args)
+    except ConfigError as exc:
+        print(f"dormouse: {exc}", file=sys.stderr)
+        return 2
+
+    if command == "check-config":
+        from daemon.model_files import ModelFileError, check_gguf
+
+        print(json.dumps(settings.public_dict(), indent=2))
+        try:
+            for key, what in (("model", "model"), ("model_draft", "draft model"), ("mmproj", "projector")):
+                if getattr(settings, key):
+                    check_gguf(getattr(settings, key), what)
+        except ModelFileError as exc:
+            print(f"dormouse: {exc}", file=sys.stderr)
+            return 2
+        return 0
+
+    from daemon.model_files import ModelFileError, resolve_model_files
+    from daemon.server import run
+
+    try:
+        model_path = resolve_model_files(settings)
+    except ModelFileError as exc:
+        print(f"dormouse: {exc}", file=sys.stderr)
+        return 2
+    return run(settings, model_path, reload_settings=lambda: load_settings(config_file, args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,395 @@
+"""The controller: the one task that owns the state machine and the worker.
+
+Everything that can change state arrives as an event in one mailbox; the
+owner task feeds each event to the pure ServerMachine and carries out the
+commands it returns (start or stop a worker, dispatch or reject requests,
+arm timers). Work that takes time (loading, tearing down) runs in tasks that
+post their outcome back as events, so the owner never blocks and events are
+decided strictly in arrival order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+import uuid
+from typing import Any, Callable
+
+from config import Settings
+from daemon import protocol as p
+from daemon.jobs import Job, JobFailure
+from daemon.metrics import Metrics
+from daemon.supervisor import LoadFailed, Supervisor, Worker
+from statemachine import (
+    ArmIdleTimer,
+    ArmRetryTimer,
+    CancelRequest,
+    Command,
+    DisarmIdleTimer,
+    Dispatch,
+    Event,
+    Exit,
+    FailRequests,
+    IdleTimerFired,
+    Policy,
+    Reject,
+    Reply,
+    RequestAbandoned,
+    RequestArrived,
+    RequestFinished,
+    RetryTimerFired,
+    ServerMachine,
+    ServerState,
+    SleepCompleted,
+    SleepRequested,
+    Started,
+    StartWorker,
+    StopRequested,
+    StopWorker,
+    WakeRequested,
+    WorkerExited,
+    WorkerLoadFailed,
+    WorkerReady,
+)
+from statemachine.states import HEALTHY_STATES
+
+_WAKE_REASONS = {
+    Started: "startup",
+    RequestArrived: "request",
+    WakeRequested: "admin",
+    RetryTimerFired: "retry",
+    SleepCompleted: "request",  # requests arrived during the teardown
+    WorkerExited: "request",
+}
+_SLEEP_REASONS = {IdleTimerFired: "idle", SleepRequested: "admin", StopRequested: "shutdown"}
+
+
+class Controller:
+    def __init__(self, settings: Settings, model_path: str, metrics: Metrics, log) -> None:
+        self.settings = settings
+        self.model_path = model_path
+        self.metrics = metrics
+        self.log = log
+        self.machine = ServerMachine(
+            Policy(
+                idle_seconds=settings.sleep_idle_seconds,
+                parallel=settings.parallel,
+                max_queued=settings.max_queued,
+                retry_max_seconds=settings.retry_max_seconds,
+            )
+        )
+        self.supervisor = Supervisor(settings.worker_module, self._on_worker_message, self._on_worker_died, log)
+        self.mailbox: asyncio.Queue[Event] = asyncio.Queue()
+        self.jobs: dict[str, Job] = {}
+        self.stopped = asyncio.Event()
+        self.state_listeners: list[Callable[[ServerState, ServerState], None]] = []
+
+        self.model_info: dict[str, Any] = {}
+        self.n_ctx_slot = 0
+        self.slots: list[p.SlotInfo] = []
+        self.last_wake: dict[str, Any] | None = None
+        self.last_sleep: dict[str, Any] | None = None
+        self.state_since = time.time()
+
+        self._tickets = itertools.count(1)
+        self._replies: dict[int, asyncio.Future] = {}
+        self._idle_timer: asyncio.TimerHandle | None = None
+        self._retry_timer: asyncio.TimerHandle | None = None
+        self._state_changed = asyncio.Event()
+        self._tasks: set[asyncio.Task] = set()
+        self._cause: Event | None = None
+        metrics.idle_timeout_seconds.set(settings.sleep_idle_seconds)
+        metrics.set_state(self.state)
+
+    # -- public ---------------------------------------------------------------
+
+    @property
+    def state(self) -> ServerState:
+        return self.machine.state
+
+    @property
+    def healthy(self) -> bool:
+        return self.state in HEALTHY_STATES
+
+    def post(self, event: Event) -> None:
+        self.mailbox.put_nowait(event)
+
+    async def run(self) -> None:
+        """The owner task: decide every event in order."""
+        self.post(Started())
+        while True:
+            event = await self.mailbox.get()
+            before = self.state
+            self._cause = event
+            commands = self.machine.handle(event)
+            if self.state is not before:
+                self._on_state_change(before, event)
+            for command in commands:
+                self._execute(command)
+            if isinstance(event, RequestAbandoned) and event.request_id not in self.machine.in_flight:
+                self.jobs.pop(event.request_id, None)
+            self._after_event(event)
+            if any(isinstance(c, Exit) for c in commands):
+                break
+        self._cancel_timers()
+        for task in list(self._tasks):
+            task.cancel()
+        await self.supervisor.close()
+        self.stopped.set()
+
+    def new_job(self, endpoint: str, params: p.SamplingParams, prompt=None, messages=None) -> Job:
+        request_id = f"{endpoint.split('.')[0][:4]}-{uuid.uuid4().hex[:24]}"
+        job = Job(p.Submit(request_id, params, prompt=prompt, messages=messages), endpoint)
+        job.cold = self.state is not ServerState.READY
+        self.jobs[request_id] = job
+        self.post(RequestArrived(request_id))
+        return job
+
+    def abandon(self, job: Job) -> None:
+        """The client is gone or gave up: free its place, wherever it is."""
+        if not job.finished:
+            self.post(RequestAbandoned(job.id))
+
+    async def admin(self, event_type: type[SleepRequested] | type[WakeRequested]) -> tuple[bool, str]:
+        ticket = next(self._tickets)
+        future = asyncio.get_running_loop().create_future()
+        self._replies[ticket] = future
+        self.post(event_type(ticket))
+        return await future
+
+    async def wait_for(self, predicate: Callable[[ServerState], bool], timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        while not predicate(self.state):
+            self._state_changed.clear()
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return False
+            try:
+                await asyncio.wait_for(self._state_changed.wait(), remaining)
+            except asyncio.TimeoutError:
+                return predicate(self.state)
+        return True
+
+    async def shutdown(self, timeout: float) -> None:
+        """Stop taking requests, let in-flight ones finish up to `timeout`, tear down."""
+        self.post(StopRequested())
+        try:
+            await asyncio.wait_for(asyncio.shield(self.stopped.wait()), timeout)
+            return
+        except asyncio.TimeoutError:
+            pass
+        self.log.warning("shutdown.deadline", cancelled=len(self.machine.in_flight))
+        for request_id in list(self.machine.in_flight):
+            self.post(RequestAbandoned(request_id))
+        await self.stopped.wait()
+
+    # -- commands -----------------------------------------------------------------
+
+    def _execute(self, command: Command) -> None:
+        if isinstance(command, StartWorker):
+            self._spawn(self._start_worker(_WAKE_REASONS.get(type(self._cause), "request")))
+        elif isinstance(command, StopWorker):
+            self._spawn(self._stop_worker(_SLEEP_REASONS.get(type(self._cause), "idle")))
+        elif isinstance(command, Dispatch):
+            for request_id in command.request_ids:
+                job = self.jobs[request_id]
+                job.dispatched = True
+                self.supervisor.send(job.submit)
+        elif isinstance(command, Reject):
+            for request_id in command.request_ids:
+                self._fail(request_id, JobFailure(503, command.code, command.reason, command.retry_after))
+        elif isinstance(command, FailRequests):
+            for request_id in command.request_ids:
+                self._fail(request_id, JobFailure(503, "worker_exited", command.reason, 1.0))
+        elif isinstance(command, CancelRequest):
+            self.supervisor.send(p.Cancel(command.request_id))
+        elif isinstance(command, ArmIdleTimer):
+            self._cancel_idle_timer()
+            loop = asyncio.get_running_loop()
+            self._idle_timer = loop.call_later(command.seconds, self.post, IdleTimerFired(command.generation))
+        elif isinstance(command, DisarmIdleTimer):
+            self._cancel_idle_timer()
+        elif isinstance(command, ArmRetryTimer):
+            if self._retry_timer is not None:
+                self._retry_timer.cancel()
+            loop = asyncio.get_running_loop()
+            self._retry_timer = loop.call_later(command.seconds, self.post, RetryTimerFired(command.generation))
+        elif isinstance(command, Reply):
+            future = self._replies.pop(command.ticket, None)
+            if future is not None and not future.done():
+                future.set_result((command.ok, command.message))
+        elif isinstance(command, Exit):
+            pass
+        else:  # pragma: no cover - a new command without a case here is a bug
+            raise TypeError(f"unknown command {command!r}")
+
+    def _fail(self, request_id: str, failure: JobFailure) -> None:
+        job = self.jobs.pop(request_id, None)
+        if job is not None:
+            job.put(failure)
+
+    def _spawn(self, coroutine) -> None:
+        task = asyncio.create_task(coroutine)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _start_worker(self, reason: str) -> None:
+        start = time.perf_counter()
+        spec = self._model_spec()
+        try:
+            result = await self.supervisor.start(spec, timeout=self.settings.load_timeout)
+        except LoadFailed as exc:
+            self.metrics.load_failures.inc()
+            self.log.error("load.failed", reason=str(exc))
+            self.post(WorkerLoadFailed(str(exc)))
+            return
+        total = time.perf_counter() - start
+        ready = result.ready
+        phases = [{"name": "spawn", "seconds": result.spawn_seconds, "bytes": 0}]
+        phases += [{"name": ph.name, "seconds": ph.seconds, "bytes": ph.bytes} for ph in ready.phases]
+        self.last_wake = {
+            "reason": reason,
+            "at": time.time(),
+            "seconds": total,
+            "prespawned": result.prespawned,
+            "worker_pid": result.worker.pid,
+            "phases": phases,
+        }
+        self.model_info = ready.model_info
+        self.n_ctx_slot = ready.n_ctx_slot
+        self.slots = [p.SlotInfo(i, "idle") for i in range(ready.n_slots)]
+        self.metrics.resume_seconds.observe(total)
+        for phase in phases:
+            self.metrics.resume_phase_seconds.labels(phase=phase["name"]).observe(phase["seconds"])
+        self.metrics.memory_bytes.clear()
+        for component, devices in (ready.model_info.get("memory_by_device") or {}).items():
+            for device, size in devices.items():
+                self.metrics.memory_bytes.labels(device=device, component=component).set(size)
+        if reason != "startup":
+            self.metrics.wakes.labels(reason=reason).inc()
+        self.log.info("wake.done", reason=reason, seconds=round(total, 4), prespawned=result.prespawned,
+                      phases={ph["name"]: round(ph["seconds"], 4) for ph in phases}, pid=result.worker.pid)
+        self.post(WorkerReady(ready.n_slots, ready.model_info))
+
+    async def _stop_worker(self, reason: str) -> None:
+        start = time.perf_counter()
+        result = await self.supervisor.stop(timeout=max(self.settings.shutdown_timeout, 10.0))
+        if result.aborted_load:
+            return  # the start task reports the outcome of that worker
+        total = time.perf_counter() - start
+        report = result.report
+        phases = [
+            {"name": ph.name, "seconds": ph.seconds, "freed_bytes": ph.bytes, "skipped": ph.skipped}
+            for ph in (report.phases if report else [])
+        ]
+        self.last_sleep = {
+            "reason": reason,
+            "at": time.time(),
+            "seconds": total,
+            "worker_pid": result.pid,
+            "clean": report is not None,
+            "phases": phases,
+            "worker_rss_before": report.rss_before if report else None,
+        }
+        self.metrics.sleep_seconds.observe(total)
+        self.metrics.sleeps.labels(reason=reason).inc()
+        for phase in phases:
+            self.metrics.sleep_phase_seconds.labels(phase=phase["name"]).observe(phase["seconds"])
+            self.metrics.sleep_freed_bytes.labels(phase=phase["name"]).set(phase["freed_bytes"])
+        self.metrics.memory_bytes.clear()
+        self.slots = []
+        self.log.info("sleep.done", reason=reason, seconds=round(total, 4), clean=report is not None,
+                      phases={ph["name"]: round(ph["seconds"], 5) for ph in phases}, pid=result.pid)
+        self.post(SleepCompleted({"clean": report is not None}))
+
+    def _model_spec(self) -> p.ModelSpec:
+        s = self.settings
+        template = s.chat_template_file.read_text() if s.chat_template_file else None
+        return p.ModelSpec(
+            model=self.model_path,
+            model_draft=str(s.model_draft) if s.model_draft else None,
+            mmproj=str(s.mmproj) if s.mmproj else None,
+            ctx_size=s.ctx_size,
+            parallel=s.parallel,
+            threads=s.threads,
+            n_gpu_layers=s.n_gpu_layers,
+            batch_size=s.batch_size,
+            chat_template=template,
+            draft_max=s.draft_max,
+            draft_min=s.draft_min,
+            draft_p_min=s.draft_p_min,
+            warmup=s.warmup,
+        )
+
+    # -- from the worker ------------------------------------------------------------
+
+    def _on_worker_message(self, message: p.ToDaemon) -> None:
+        if isinstance(message, p.Tokens):
+            job = self.jobs.get(message.request_id)
+            if job is not None:
+                if job.first_token_at is None:
+                    ttft = time.monotonic() - job.accepted_at
+                    self.metrics.ttft_seconds.labels(start="cold" if job.cold else "warm").observe(ttft)
+                job.put(message)
+        elif isinstance(message, p.Done):
+            job = self.jobs.pop(message.request_id, None)
+            if job is not None:
+                self._account(job, message)
+                job.put(message)
+            self.post(RequestFinished(message.request_id, ok=message.finish_reason in ("stop", "length")))
+        elif isinstance(message, p.SlotStates):
+            self.slots = message.slots
+            self.metrics.set_slots([s.state for s in message.slots])
+        elif isinstance(message, p.Error):
+            self.log.error("worker.error", message=message.message, during=message.during)
+
+    def _account(self, job: Job, done: p.Done) -> None:
+        m = self.metrics
+        m.prompt_tokens.inc(done.prompt_tokens)
+        m.cached_prompt_tokens.inc(done.cached_tokens)
+        m.generated_tokens.inc(done.completion_tokens)
+        m.draft_tokens.inc(done.drafted_tokens)
+        m.accepted_tokens.inc(done.accepted_tokens)
+        if done.completion_tokens > 1 and done.generation_seconds > 0:
+            m.inter_token_seconds.observe(done.generation_seconds / (done.completion_tokens - 1))
+
+    def _on_worker_died(self, worker: Worker, reason: str) -> None:
+        self.metrics.worker_restarts.inc()
+        self.log.error("worker.died", pid=worker.pid, reason=reason)
+        self.post(WorkerExited(reason))
+
+    # -- bookkeeping ----------------------------------------------------------------
+
+    def _on_state_change(self, before: ServerState, event: Event) -> None:
+        after = self.state
+        self.state_since = time.time()
+        self.metrics.set_state(after)
+        self.log.info("state", before=str(before), after=str(after), cause=type(event).__name__)
+        self._state_changed.set()
+        for listener in self.state_listeners:
+            listener(before, after)
+
+    def _after_event(self, event: Event) -> None:
+        self.metrics.requests_in_flight.set(len(self.machine.in_flight))
+        self.metrics.requests_waiting.set(len(self.machine.waiting))
+        worker_gone = isinstance(event, (SleepCompleted, WorkerExited, WorkerLoadFailed))
+        if worker_gone and self.settings.spawn_ahead and self.state in (ServerState.SLEEPING, ServerState.FAILED):
+            self._spawn(self.supervisor.prespawn())
+
+    def _cancel_idle_timer(self) -> None:
+        if self._idle_timer is not None:
+            self._idle_timer.cancel()
+            self._idle_timer = None
+
+    def _cancel_timers(self) -> None:
+        self._cancel_idle_timer()
+        if self._retry_timer is not None:
+            self._retry_timer.cancel()
+            self._retry_timer = None
+
+    def idle_deadline(self) -> float | None:
+        """Seconds until the idle timer fires, if armed."""
+        if self._idle_timer is None or self._idle_timer.cancelled():
+            return None
+        return max(0.0, self._idle_timer.when() - asyncio.get_running_loop().time())

@@ -1,0 +1,216 @@
+"""OpenAI-compatible endpoints: /v1/completions, /v1/chat/completions, /v1/models.
+
+A handler validates the body, hands a job to the controller and turns what
+the worker sends back into an OpenAI response: one JSON body, or SSE chunks
+ending with `data: [DONE]`. Headers are sent only once the first token is
+there, so a rejected or timed-out request still gets a proper status code.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import structlog
+from aiohttp import web
+from pydantic import BaseModel, ValidationError
+
+from daemon import protocol as p
+from daemon.errors import ApiError
+from daemon.http_app import CONTROLLER, METRICS, SETTINGS
+from daemon.jobs import Job, JobFailure
+from daemon.schemas import ChatCompletionRequest, CompletionRequest, field_name
+
+
+async def parse_body(request: web.Request, model: type[BaseModel]) -> BaseModel:
+    raw = await request.read()
+    try:
+        data = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ApiError(400, f"request body is not valid JSON: {exc}", "invalid_json") from None
+    if not isinstance(data, dict):
+        raise ApiError(400, "request body must be a JSON object", "invalid_json")
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        name = field_name(err["loc"]) or "body"
+        raise ApiError(400, f"{name}: {err['msg']}", "invalid_value", param=name) from None
+
+
+def model_alias(request: web.Request) -> str:
+    info = request.app[CONTROLLER].model_info
+    path = info.get("path") or request.app[CONTROLLER].model_path
+    return Path(path).stem
+
+
+class _Shape:
+    """How one endpoint's responses look."""
+
+    object_name: str
+    chunk_name: str
+
+    def __init__(self, request_id: str, model: str) -> None:
+        self.id = request_id
+        self.model = model
+        self.created = int(time.time())
+
+    def envelope(self, object_name: str, choices: list[dict], usage: dict | None = None) -> dict[str, Any]:
+        body: dict[str, Any] = {"id": self.id, "object": object_name, "created": self.created, "model": self.model,
+                                "choices": choices}
+        if usage is not None:
+            body["usage"] = usage
+        return body
+
+
+class CompletionShape(_Shape):
+    def final(self, text: str, reason: str, usage: dict) -> dict:
+        return self.envelope("text_completion", [{"index": 0, "text": text, "logprobs": None, "finish_reason": reason}], usage)
+
+    def chunk(self, text: str, reason: str | None = None) -> dict:
+        return self.envelope("text_completion", [{"index": 0, "text": text, "logprobs": None, "finish_reason": reason}])
+
+    def first_chunk(self) -> dict | None:
+        return None
+
+    def usage_chunk(self, usage: dict) -> dict:
+        return self.envelope("text_completion", [], usage)
+
+
+class ChatShape(_Shape):
+    def final(self, text: str, reason: str, usage: dict) -> dict:
+        message = {"role": "assistant", "content": text}
+        return self.envelope("chat.completion", [{"index": 0, "message": message, "logprobs": None, "finish_reason": reason}], usage)
+
+    def chunk(self, text: str | None, reason: str | None = None) -> dict:
+        delta = {} if text is None else {"content": text}
+        return self.envelope("chat.completion.chunk", [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}])
+
+    def first_chunk(self) -> dict | None:
+        return self.envelope("chat.completion.chunk", [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                                         "logprobs": None, "finish_reason": None}])
+
+    def usage_chunk(self, usage: dict) -> dict:
+        return self.envelope("chat.completion.chunk", [], usage)
+
+
+def _usage(done: p.Done) -> dict[str, Any]:
+    return {
+        "prompt_tokens": done.prompt_tokens,
+        "completion_tokens": done.completion_tokens,
+        "total_tokens": done.prompt_tokens + done.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": done.cached_tokens},
+    }
+
+
+def _failure_error(item: JobFailure | p.Done) -> ApiError:
+    if isinstance(item, JobFailure):
+        return ApiError(item.status, item.message, item.code, retry_after=item.retry_after)
+    if item.finish_reason == "cancelled":
+        return ApiError(503, "request cancelled: the server is shutting down", "cancelled", retry_after=1)
+    status = 400 if item.error_code in ("context_length_exceeded", "invalid_request") else 500
+    return ApiError(status, item.error or "generation failed", item.error_code)
+
+
+def _is_failure(item) -> bool:
+    return isinstance(item, JobFailure) or (isinstance(item, p.Done) and item.finish_reason not in ("stop", "length"))
+
+
+async def _first_item(request: web.Request, job: Job):
+    settings = request.app[SETTINGS]
+    try:
+        return await job.next(settings.wake_timeout)
+    except TimeoutError:
+        raise ApiError(503, f"the model did not become ready within {settings.wake_timeout:g}s (wake_timeout)",
+                       "wake_timeout", retry_after=5) from None
+
+
+async def run_job(request: web.Request, job: Job, shape: _Shape, stream: bool, include_usage: bool) -> web.StreamResponse:
+    controller = request.app[CONTROLLER]
+    metrics = request.app[METRICS]
+    structlog.contextvars.bind_contextvars(request_id=job.id)
+    status = 200
+    try:
+        item = await _first_item(request, job)
+        if _is_failure(item):
+            raise _failure_error(item)
+        if stream:
+            return await _stream(request, job, shape, item, include_usage)
+        parts: list[str] = []
+        while isinstance(item, p.Tokens):
+            parts.append(item.text)
+            item = await job.next(None)
+        if _is_failure(item):
+            raise _failure_error(item)
+        return web.json_response(shape.final("".join(parts), item.finish_reason, _usage(item)))
+    except ApiError as exc:
+        status = exc.status
+        raise
+    finally:
+        controller.abandon(job)  # no-op once finished; frees the slot if the client left
+        metrics.requests.labels(endpoint=job.endpoint, status=str(status)).inc()
+        metrics.request_seconds.labels(endpoint=job.endpoint, outcome="ok" if status == 200 else "error").observe(
+            time.monotonic() - job.accepted_at)
+        structlog.contextvars.unbind_contextvars("request_id")
+
+
+_encode = msgspec.json.encode
+
+
+async def _stream(request: web.Request, job: Job, shape: _Shape, item, include_usage: bool) -> web.StreamResponse:
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                           "X-Request-Id": job.id})
+    await response.prepare(request)
+
+    async def send(body: dict) -> None:
+        await response.write(b"data: " + _encode(body) + b"\n\n")
+
+    first = shape.first_chunk()
+    if first is not None:
+        await send(first)
+    while isinstance(item, p.Tokens):
+        if item.text:
+            await send(shape.chunk(item.text))
+        item = await job.next(None)
+    if _is_failure(item):
+        await send(_failure_error(item).body())
+    else:
+        await send(shape.chunk(None if isinstance(shape, ChatShape) else "", item.finish_reason))
+        if include_usage:
+            await send(shape.usage_chunk(_usage(item)))
+        await response.write(b"data: [DONE]\n\n")
+    await response.write_eof()
+    return response
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    body = await parse_body(request, CompletionRequest)
+    job = request.app[CONTROLLER].new_job("completions", body.sampling(body.max_tokens), prompt=body.prompt_value())
+    return await run_job(request, job, CompletionShape(f"cmpl-{job.id}", model_alias(request)), body.stream, body.include_usage)
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    body = await parse_body(request, ChatCompletionRequest)
+    try:
+        messages = [m.to_protocol() for m in body.messages]
+    except ValueError as exc:
+        raise ApiError(400, str(exc), "invalid_image", param="messages") from None
+    job = request.app[CONTROLLER].new_job("chat.completions", body.sampling(body.token_limit), messages=messages)
+    return await run_job(request, job, ChatShape(f"chatcmpl-{job.id}", model_alias(request)), body.stream, body.include_usage)
+
+
+async def models(request: web.Request) -> web.Response:
+    controller = request.app[CONTROLLER]
+    return web.json_response({"object": "list", "data": [{
+        "id": model_alias(request), "object": "model", "created": int(controller.state_since), "owned_by": "dormouse",
+        "meta": controller.model_info or None,
+    }]})
+
+
+def add_routes(app: web.Application) -> None:
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_get("/v1/models", models)

@@ -1,0 +1,198 @@
+"""The worker protocol, defined once and imported by both sides.
+
+Messages are msgspec Structs, tagged by type, sent over a socketpair as a
+4-byte big-endian length followed by a msgpack body. (Not stdin/stdout:
+llama.cpp writes to fds 1 and 2.)
+
+Daemon -> worker: Load, Submit, Cancel, Sleep.
+Worker -> daemon: Hello, LoadProgress, Ready, Tokens, Done, SlotStates,
+SleepReport, Error.
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import Any
+
+import msgspec
+
+PROTOCOL_VERSION = 1
+HEADER = struct.Struct(">I")
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+
+
+class Message(msgspec.Struct, tag=True, forbid_unknown_fields=False, omit_defaults=True):
+    pass
+
+
+# -- daemon -> worker --------------------------------------------------------
+
+
+class ModelSpec(msgspec.Struct, omit_defaults=True):
+    model: str
+    model_draft: str | None = None
+    mmproj: str | None = None
+    ctx_size: int = 4096
+    parallel: int = 4
+    threads: int | None = None
+    n_gpu_layers: int = 0
+    batch_size: int = 512
+    chat_template: str | None = None
+    draft_max: int = 16
+    draft_min: int = 0
+    draft_p_min: float = 0.75
+    warmup: bool = True
+    seed: int = -1
+
+
+class Load(Message):
+    spec: ModelSpec
+
+
+class SamplingParams(msgspec.Struct, omit_defaults=True):
+    max_tokens: int = 256
+    temperature: float = 0.8
+    top_k: int = 40
+    top_p: float = 0.95
+    min_p: float = 0.05
+    seed: int | None = None
+    repeat_penalty: float = 1.0
+    repeat_last_n: int = 64
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[int, float] = {}
+    stop: list[str] = []
+    ignore_eos: bool = False
+
+
+class ChatPart(msgspec.Struct, omit_defaults=True):
+    type: str  # "text" or "image"
+    text: str | None = None
+    image: bytes | None = None  # raw image file bytes (png, jpeg, ...)
+
+
+class ChatMessage(msgspec.Struct, omit_defaults=True):
+    role: str
+    content: str | list[ChatPart] = ""
+
+
+class Submit(Message):
+    request_id: str
+    params: SamplingParams
+    prompt: str | list[int] | None = None  # completions
+    messages: list[ChatMessage] | None = None  # chat completions
+
+
+class Cancel(Message):
+    request_id: str
+
+
+class Sleep(Message):
+    """Tear everything down in order, send a SleepReport, exit."""
+
+
+# -- worker -> daemon --------------------------------------------------------
+
+
+class Hello(Message):
+    pid: int
+    protocol: int = PROTOCOL_VERSION
+    import_seconds: float = 0.0
+
+
+class Phase(msgspec.Struct):
+    name: str
+    seconds: float
+    bytes: int = 0  # memory the component holds (load) or gave back (teardown)
+    skipped: bool = False  # the component was not configured
+
+
+class LoadProgress(Message):
+    phase: str
+    seconds: float
+
+
+class Ready(Message):
+    n_slots: int
+    n_ctx: int
+    n_ctx_slot: int
+    phases: list[Phase]
+    model_info: dict[str, Any] = {}
+    memory: dict[str, int] = {}  # component -> bytes
+
+
+class Tokens(Message):
+    request_id: str
+    text: str
+    n_tokens: int
+    n_prompt_tokens: int = 0  # set on the first Tokens of a request
+    n_cached_tokens: int = 0
+
+
+class Done(Message):
+    request_id: str
+    finish_reason: str  # stop, length, cancelled, error
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    error: str | None = None
+    error_code: str | None = None  # e.g. context_length_exceeded, invalid_request
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
+    prompt_seconds: float = 0.0
+    generation_seconds: float = 0.0
+
+
+class SlotInfo(msgspec.Struct):
+    id: int
+    state: str
+    request_id: str | None = None
+    n_cached: int = 0
+
+
+class SlotStates(Message):
+    slots: list[SlotInfo]
+
+
+class SleepReport(Message):
+    phases: list[Phase]
+    rss_before: int = 0
+    rss_after: int = 0
+
+
+class Error(Message):
+    """A fatal error in the worker (it exits after sending it)."""
+
+    message: str
+    during: str = ""
+
+
+ToWorker = Load | Submit | Cancel | Sleep
+ToDaemon = Hello | LoadProgress | Ready | Tokens | Done | SlotStates | SleepReport | Error
+
+_encoder = msgspec.msgpack.Encoder()
+_to_worker = msgspec.msgpack.Decoder(ToWorker)
+_to_daemon = msgspec.msgpack.Decoder(ToDaemon)
+
+
+def encode(message: Message) -> bytes:
+    body = _encoder.encode(message)
+    return HEADER.pack(len(body)) + body
+
+
+def decode_for_worker(body: bytes) -> ToWorker:
+    return _to_worker.decode(body)
+
+
+def decode_for_daemon(body: bytes) -> ToDaemon:
+    return _to_daemon.decode(body)
+
+
+class FrameTooLarge(ValueError):
+    pass
+
+
+def check_length(n: int) -> int:
+    if n > MAX_MESSAGE_BYTES:
+        raise FrameTooLarge(f"frame of {n} bytes exceeds {MAX_MESSAGE_BYTES}")
+    return n

@@ -1,0 +1,282 @@
+"""Spawns and watches worker processes; speaks the protocol from the daemon's side.
+
+A worker is `python -m <worker_module> --fd N` with one end of a socketpair.
+It says Hello once its imports are done; Load makes it load; Sleep makes it
+tear down in order, report and exit. The supervisor notices a death at once
+(EOF on the socket), relays the worker's stderr into the log, and can keep one
+worker spawned ahead of time (imports done, no backend, no model) so a wake
+skips interpreter start-up and imports.
+
+The controller gets exactly one outcome per worker: start() raises LoadFailed,
+or stop() returns (the worker tore down, or died while doing so), or
+on_unexpected_exit is called (it died while serving).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import sys
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable
+
+from daemon import protocol as p
+
+
+class LoadFailed(RuntimeError):
+    pass
+
+
+@dataclass
+class Worker:
+    proc: asyncio.subprocess.Process
+    reader: asyncio.StreamReader
+    writer: asyncio.StreamWriter
+    spawned_at: float
+    hello: p.Hello | None = None
+    phase: str = "spawned"  # spawned, loading, serving, stopping, gone
+    stderr_tail: deque[str] = field(default_factory=lambda: deque(maxlen=20))
+    exited: asyncio.Event = field(default_factory=asyncio.Event)
+    tasks: list[asyncio.Task] = field(default_factory=list)
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def exit_reason(self) -> str:
+        code = self.proc.returncode
+        if code is None:
+            how = "closed its channel"
+        elif code < 0:
+            how = f"was killed by {signal.Signals(-code).name}"
+        else:
+            how = f"exited with status {code}"
+        detail = next((line for line in reversed(self.stderr_tail) if line.strip()), "")
+        return f"worker pid {self.pid} {how}" + (f" ({detail})" if detail else "")
+
+
+@dataclass
+class StopResult:
+    report: p.SleepReport | None  # None: the worker died during teardown or had to be killed
+    pid: int | None
+    aborted_load: bool = False  # it was still loading and was killed; start() reports that
+
+
+@dataclass
+class StartResult:
+    ready: p.Ready
+    worker: Worker
+    spawn_seconds: float  # 0 when a spawned-ahead worker was taken
+    handshake_seconds: float
+    prespawned: bool
+
+
+class Supervisor:
+    def __init__(
+        self,
+        worker_module: str,
+        on_message: Callable[[p.ToDaemon], None],
+        on_unexpected_exit: Callable[[Worker, str], None],
+        log,
+        hello_timeout: float = 30.0,
+    ) -> None:
+        self.worker_module = worker_module
+        self.on_message = on_message
+        self.on_unexpected_exit = on_unexpected_exit
+        self.log = log
+        self.hello_timeout = hello_timeout
+        self.current: Worker | None = None
+        self.spare: Worker | None = None
+        self._spawning: asyncio.Task | None = None
+        self._pending: asyncio.Future | None = None  # Ready/Error during load, SleepReport during stop
+        self.last_exit_at: float | None = None
+        self.last_exit_pid: int | None = None
+
+    # -- spawning ---------------------------------------------------------------
+
+    async def _spawn(self) -> Worker:
+        parent, child = socket.socketpair()
+        start = time.perf_counter()
+        try:
+            proc = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", self.worker_module, "--fd", str(child.fileno()),
+                pass_fds=(child.fileno(),),
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=asyncio.subprocess.DEVNULL,
+                stderr=asyncio.subprocess.PIPE,
+                env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            )
+        finally:
+            child.close()
+        reader, writer = await asyncio.open_unix_connection(sock=parent)
+        worker = Worker(proc, reader, writer, spawned_at=start)
+        worker.tasks.append(asyncio.create_task(self._relay_stderr(worker), name=f"worker-{proc.pid}-stderr"))
+        try:
+            message = await asyncio.wait_for(self._read(worker), self.hello_timeout)
+        except (asyncio.TimeoutError, asyncio.IncompleteReadError, ConnectionError, ValueError) as exc:
+            await self._kill(worker)
+            raise LoadFailed(f"worker did not say hello: {worker.exit_reason() if worker.proc.returncode is not None else exc!r}") from None
+        if not isinstance(message, p.Hello) or message.protocol != p.PROTOCOL_VERSION:
+            await self._kill(worker)
+            raise LoadFailed(f"worker spoke an unexpected first message: {message!r}")
+        worker.hello = message
+        self.log.debug("worker.spawned", pid=worker.pid, import_seconds=round(message.import_seconds, 4))
+        return worker
+
+    async def prespawn(self) -> None:
+        """Keep one worker ready to load (imports done, nothing loaded)."""
+        if self.spare is not None or self._spawning is not None:
+            return
+        self._spawning = asyncio.current_task()
+        try:
+            self.spare = await self._spawn()
+        except LoadFailed as exc:
+            self.log.warning("worker.prespawn_failed", error=str(exc))
+        finally:
+            self._spawning = None
+
+    async def _take_worker(self) -> tuple[Worker, float, bool]:
+        if self._spawning is not None:
+            await asyncio.shield(self._spawning)
+        spare, self.spare = self.spare, None
+        if spare is not None and spare.proc.returncode is None:
+            return spare, 0.0, True
+        if spare is not None:
+            await self._kill(spare)
+        start = time.perf_counter()
+        worker = await self._spawn()
+        return worker, time.perf_counter() - start, False
+
+    # -- lifecycle ----------------------------------------------------------------
+
+    async def start(self, spec: p.ModelSpec, timeout: float) -> StartResult:
+        worker, spawn_seconds, prespawned = await self._take_worker()
+        self.current = worker
+        worker.phase = "loading"
+        handshake_start = time.perf_counter()
+        loop = asyncio.get_running_loop()
+        self._pending = loop.create_future()
+        worker.tasks.append(asyncio.create_task(self._read_loop(worker), name=f"worker-{worker.pid}-reader"))
+        self.send(p.Load(spec))
+        try:
+            outcome = await asyncio.wait_for(asyncio.shield(self._pending), timeout)
+        except asyncio.TimeoutError:
+            await self._kill(worker)
+            raise LoadFailed(f"load took longer than {timeout:g}s (load_timeout)") from None
+        if isinstance(outcome, p.Ready):
+            worker.phase = "serving"
+            return StartResult(outcome, worker, spawn_seconds, time.perf_counter() - handshake_start, prespawned)
+        await self._reap(worker)
+        reason = outcome.message if isinstance(outcome, p.Error) else worker.exit_reason()
+        raise LoadFailed(reason)
+
+    async def stop(self, timeout: float) -> StopResult:
+        """Ordered teardown, then wait for the process to exit."""
+        worker = self.current
+        if worker is None:
+            return StopResult(None, None)
+        if worker.phase == "loading":
+            # Nothing to tear down in order yet: ending the process gives it all back,
+            # and start() reports the load as failed.
+            await self._kill(worker)
+            return StopResult(None, worker.pid, aborted_load=True)
+        worker.phase = "stopping"
+        loop = asyncio.get_running_loop()
+        self._pending = loop.create_future()
+        self.send(p.Sleep())
+        report = None
+        try:
+            outcome = await asyncio.wait_for(asyncio.shield(self._pending), timeout)
+            report = outcome if isinstance(outcome, p.SleepReport) else None
+        except asyncio.TimeoutError:
+            self.log.warning("worker.teardown_timeout", pid=worker.pid, timeout=timeout)
+            await self._kill(worker)
+        await self._reap(worker)
+        return StopResult(report, worker.pid)
+
+    def send(self, message: p.Message) -> None:
+        worker = self.current
+        if worker is None or worker.writer.is_closing():
+            return
+        worker.writer.write(p.encode(message))
+
+    async def close(self) -> None:
+        for worker in (self.spare, self.current):
+            if worker is not None and worker.proc.returncode is None:
+                await self._kill(worker)
+        self.spare = self.current = None
+
+    # -- I/O ----------------------------------------------------------------------
+
+    async def _read(self, worker: Worker) -> p.ToDaemon:
+        header = await worker.reader.readexactly(p.HEADER.size)
+        body = await worker.reader.readexactly(p.check_length(p.HEADER.unpack(header)[0]))
+        return p.decode_for_daemon(body)
+
+    async def _read_loop(self, worker: Worker) -> None:
+        try:
+            while True:
+                message = await self._read(worker)
+                if isinstance(message, (p.Ready, p.Error, p.SleepReport)):
+                    self._resolve(message)
+                elif isinstance(message, p.LoadProgress):
+                    self.log.debug("worker.load_progress", pid=worker.pid, phase=message.phase, seconds=round(message.seconds, 4))
+                else:
+                    self.on_message(message)
+        except (asyncio.IncompleteReadError, ConnectionError, ValueError, OSError, p.msgspec.DecodeError) as exc:
+            if not isinstance(exc, (asyncio.IncompleteReadError, ConnectionError)):
+                self.log.error("worker.bad_message", pid=worker.pid, error=repr(exc))
+        await self._reap(worker)
+        phase = worker.phase
+        worker.phase = "gone"
+        self._resolve(None)
+        if phase == "serving":
+            self.on_unexpected_exit(worker, worker.exit_reason())
+
+    def _resolve(self, outcome: p.ToDaemon | None) -> None:
+        if self._pending is not None and not self._pending.done():
+            self._pending.set_result(outcome)
+
+    async def _relay_stderr(self, worker: Worker) -> None:
+        assert worker.proc.stderr is not None
+        async for raw in worker.proc.stderr:
+            line = raw.decode("utf-8", errors="replace").rstrip()
+            if line:
+                worker.stderr_tail.append(line)
+                self.log.info("worker.stderr", pid=worker.pid, line=line)
+
+    async def _reap(self, worker: Worker) -> None:
+        if worker.exited.is_set():
+            return
+        worker.writer.close()
+        try:
+            await asyncio.wait_for(worker.proc.wait(), 10)
+        except asyncio.TimeoutError:
+            worker.proc.kill()
+            await worker.proc.wait()
+        # Let the stderr relay drain so exit reasons can quote the last line.
+        for task in worker.tasks:
+            if task.get_name().endswith("stderr"):
+                try:
+                    await asyncio.wait_for(asyncio.shield(task), 1)
+                except asyncio.TimeoutError:
+                    pass
+        # asyncio never closes a subprocess transport by itself; an unclosed one
+        # warns at garbage collection, possibly after the loop is gone.
+        transport = getattr(worker.proc, "_transport", None)
+        if transport is not None:
+            transport.close()
+        worker.exited.set()
+        if self.current is worker:
+            self.current = None
+        self.last_exit_at = time.monotonic()
+        self.last_exit_pid = worker.pid
+
+    async def _kill(self, worker: Worker) -> None:
+        if worker.proc.returncode is None:
+            worker.proc.kill()
+        await self._reap(worker)

@@ -1,0 +1,107 @@
+"""Worker process entry point: `python -m daemon.worker --fd N`.
+
+Lifecycle: say Hello as soon as the imports are done (so a worker spawned
+ahead of time holds nothing but the interpreter and the libraries), wait for
+Load, load in phases, serve Submit/Cancel through the engine, and on Sleep (or
+when the daemon goes away) tear down in order, report, exit.
+"""
+
+from __future__ import annotations
+
+import time
+
+_t0 = time.perf_counter()
+
+import argparse  # noqa: E402
+import os  # noqa: E402
+import socket  # noqa: E402
+import sys  # noqa: E402
+
+from daemon import protocol as p  # noqa: E402
+from daemon.worker.channel import Channel  # noqa: E402
+
+EXIT_OK = 0
+EXIT_LOAD_FAILED = 3
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m daemon.worker")
+    parser.add_argument("--fd", type=int, required=True, help="our end of the socketpair")
+    args = parser.parse_args(argv)
+    os.dup2(2, 1)  # anything printed goes to the daemon's log, never into the protocol
+
+    channel = Channel(socket.socket(fileno=args.fd))
+    from daemon.worker.llama_lib import llama  # noqa: F401  (the libraries, no device yet)
+    from daemon.worker.engine import Engine
+    from daemon.worker.memory import rss_bytes
+    from daemon.worker.runtime import Runtime
+
+    channel.send(p.Hello(os.getpid(), import_seconds=time.perf_counter() - _t0))
+    message = channel.receive()
+    if not isinstance(message, p.Load):
+        return EXIT_OK  # a spawned-ahead worker that was never needed
+
+    spec = message.spec
+    runtime = Runtime(spec, on_progress=lambda phase, seconds: channel.send(p.LoadProgress(phase, seconds)))
+    try:
+        runtime.load()
+        engine = Engine(runtime, channel.send)
+        if spec.warmup:
+            warm_up(runtime, engine)
+    except Exception as exc:  # noqa: BLE001 - any failure to load is reported, then we exit
+        channel.send(p.Error(str(exc), during="load"))
+        runtime.teardown()
+        return EXIT_LOAD_FAILED
+
+    channel.send(
+        p.Ready(
+            n_slots=len(engine.slots),
+            n_ctx=spec.ctx_size,
+            n_ctx_slot=engine.n_ctx_slot,
+            phases=runtime.phases,
+            model_info={**runtime.describe(), "memory_by_device": runtime.ledger.by_device()},
+            memory=runtime.ledger.by_component(),
+        )
+    )
+    serve(channel, engine)
+    rss_before = rss_bytes()
+    engine.close()
+    phases = runtime.teardown()
+    channel.send(p.SleepReport(phases, rss_before=rss_before, rss_after=rss_bytes()))
+    return EXIT_OK
+
+
+def warm_up(runtime, engine) -> None:
+    """One decode, so the first request does not pay for lazy initialisation."""
+    from daemon.worker.llama_lib import llama
+
+    start = time.perf_counter()
+    runtime.ledger.component = "context"
+    tokens = [llama.llama_vocab_bos(runtime.vocab)]
+    batch = llama.llama_batch_get_one((llama.llama_token * 1)(*tokens), 1)
+    llama.llama_decode(runtime.ctx, batch)
+    llama.llama_synchronize(runtime.ctx)
+    llama.llama_memory_clear(engine.memory, True)
+    runtime.ledger.component = "other"
+    runtime.phases.append(p.Phase("warmup", time.perf_counter() - start))
+    runtime.on_progress("warmup", runtime.phases[-1].seconds)
+
+
+def serve(channel: Channel, engine) -> None:
+    """Until Sleep or EOF: take messages, run a step whenever there is work."""
+    while True:
+        message = channel.receive(block=not engine.busy)
+        while message is not False:
+            if message is None or isinstance(message, p.Sleep):
+                return
+            if isinstance(message, p.Submit):
+                engine.submit(message)
+            elif isinstance(message, p.Cancel):
+                engine.cancel(message.request_id)
+            message = channel.receive(block=False)
+        if engine.busy:
+            engine.step()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,311 @@
+"""Slots and continuous batching on one llama.cpp context.
+
+Each step builds one batch from every active slot, the next token of each
+generating slot first and then prompt chunks up to the batch size, and calls
+llama_decode once. Requests beyond the slots wait in a FIFO. A request lands
+on the idle slot whose cache shares the longest prefix with its prompt, and
+only the rest of the prompt is decoded (llama-server's prompt cache).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import time
+from collections import deque
+from typing import Callable
+
+from daemon import protocol as p
+from daemon.worker.chat import END_OF_TURN_MARKERS, ChatRenderer, ChatTemplateError, template_for
+from daemon.worker.llama_lib import llama
+from daemon.worker.runtime import Runtime
+from daemon.worker.sampling import SamplerChain
+from daemon.worker.slot import Job, Slot
+from statemachine import SlotState
+
+
+class RequestError(ValueError):
+    def __init__(self, message: str, code: str = "invalid_request") -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class Engine:
+    def __init__(self, runtime: Runtime, emit: Callable[[p.Message], None]) -> None:
+        self.rt = runtime
+        self.emit = emit
+        self.ctx = runtime.ctx
+        self.vocab = runtime.vocab
+        self.n_vocab = llama.llama_vocab_n_tokens(self.vocab)
+        self.n_batch = runtime.spec.batch_size
+        self.n_ctx_slot = llama.llama_n_ctx_seq(self.ctx)
+        self.memory = llama.llama_get_memory(self.ctx)
+        self.slots = [Slot(i) for i in range(runtime.spec.parallel)]
+        self.queue: deque[p.Submit] = deque()
+        self.batch = llama.llama_batch_init(self.n_batch, 0, 1)
+        self.add_bos = bool(llama.llama_vocab_get_add_bos(self.vocab))
+        self._piece = ctypes.create_string_buffer(256)
+        self.chat = ChatRenderer(
+            template_for(runtime.spec.chat_template, runtime.meta("tokenizer.chat_template"), runtime.meta("general.architecture")),
+            bos_token=self.token_text(llama.llama_vocab_bos(self.vocab)),
+            eos_token=self.token_text(llama.llama_vocab_eos(self.vocab)),
+        )
+        self._slots_changed = False
+        self.end_of_turn = self._single_tokens(END_OF_TURN_MARKERS)
+
+    # -- requests in --------------------------------------------------------
+
+    def submit(self, msg: p.Submit) -> None:
+        self.queue.append(msg)
+
+    def cancel(self, request_id: str) -> None:
+        for i, msg in enumerate(self.queue):
+            if msg.request_id == request_id:
+                del self.queue[i]
+                self.emit(p.Done(request_id, "cancelled"))
+                return
+        for slot in self.slots:
+            if slot.job is not None and slot.job.request_id == request_id:
+                self._finish(slot, "cancelled")
+                return
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.queue) or any(s.job is not None for s in self.slots)
+
+    # -- tokens and text ------------------------------------------------------
+
+    def tokenize(self, text: str, add_special: bool) -> list[int]:
+        data = text.encode("utf-8")
+        capacity = len(data) + 8
+        buf = (llama.llama_token * capacity)()
+        n = llama.llama_tokenize(self.vocab, data, len(data), buf, capacity, add_special, True)
+        if n < 0:
+            capacity = -n
+            buf = (llama.llama_token * capacity)()
+            n = llama.llama_tokenize(self.vocab, data, len(data), buf, capacity, add_special, True)
+        return list(buf[:n])
+
+    def token_bytes(self, token: int, special: bool = False) -> bytes:
+        n = llama.llama_token_to_piece(self.vocab, token, self._piece, len(self._piece), 0, special)
+        if n < 0:
+            self._piece = ctypes.create_string_buffer(-n)
+            n = llama.llama_token_to_piece(self.vocab, token, self._piece, len(self._piece), 0, special)
+        return self._piece.raw[:n]
+
+    def _single_tokens(self, texts: tuple[str, ...]) -> frozenset[int]:
+        """Token ids of the markers that this vocabulary has as one special token."""
+        ids = set()
+        for text in texts:
+            tokens = self.tokenize(text, add_special=False)
+            if len(tokens) == 1 and self.token_text(tokens[0]) == text:
+                ids.add(tokens[0])
+        return frozenset(ids)
+
+    def token_text(self, token: int) -> str:
+        return self.token_bytes(token, special=True).decode("utf-8", errors="replace") if token >= 0 else ""
+
+    def prompt_tokens(self, msg: p.Submit) -> list[int]:
+        if msg.messages is not None:
+            messages = []
+            for m in msg.messages:
+                if not isinstance(m.content, str):
+                    if any(part.type == "image" for part in m.content):
+                        raise RequestError("this model has no multimodal projector loaded (start with --mmproj)")
+                    content = "".join(part.text or "" for part in m.content)
+                else:
+                    content = m.content
+                messages.append({"role": m.role, "content": content})
+            try:
+                text = self.chat.render(messages)
+            except ChatTemplateError as exc:
+                raise RequestError(str(exc)) from exc
+            if self.add_bos and self.chat.bos_token and text.startswith(self.chat.bos_token):
+                text = text[len(self.chat.bos_token) :]  # the tokenizer adds BOS itself
+            return self.tokenize(text, add_special=True)
+        if isinstance(msg.prompt, list):
+            bad = [t for t in msg.prompt if not 0 <= t < self.n_vocab]
+            if bad:
+                raise RequestError(f"prompt has token ids outside the vocabulary (0..{self.n_vocab - 1}): {bad[:5]}")
+            return list(msg.prompt)
+        return self.tokenize(msg.prompt or "", add_special=True)
+
+    # -- scheduling -----------------------------------------------------------
+
+    def _admit(self) -> None:
+        """Move queued requests onto idle slots, best cache match first."""
+        while self.queue:
+            idle = [s for s in self.slots if s.job is None]
+            if not idle:
+                return
+            msg = self.queue.popleft()
+            try:
+                tokens = self.prompt_tokens(msg)
+                if not tokens:
+                    raise RequestError("prompt is empty")
+                if len(tokens) >= self.n_ctx_slot:
+                    raise RequestError(
+                        f"prompt has {len(tokens)} tokens; the context of a slot holds {self.n_ctx_slot}",
+                        "context_length_exceeded",
+                    )
+                sampler = SamplerChain(msg.params, self.n_vocab)
+            except RequestError as exc:
+                self.emit(p.Done(msg.request_id, "error", error=str(exc), error_code=exc.code))
+                continue
+            slot = max(idle, key=lambda s: s.common_prefix(tokens))
+            self._assign(slot, msg, tokens, sampler)
+            if msg.messages is not None:
+                slot.job.end_tokens = self.end_of_turn
+
+    def _assign(self, slot: Slot, msg: p.Submit, tokens: list[int], sampler: SamplerChain) -> None:
+        reuse = slot.common_prefix(tokens)
+        if reuse == len(tokens):
+            reuse -= 1  # the last prompt token is decoded again for its logits
+        if reuse < len(slot.cache) and not llama.llama_memory_seq_rm(self.memory, slot.id, reuse, -1):
+            llama.llama_memory_seq_rm(self.memory, slot.id, -1, -1)  # partial removal refused: start over
+            reuse = 0
+        del slot.cache[reuse:]
+        slot.job = Job(msg.request_id, tokens, msg.params, sampler, n_prompt_done=reuse, n_cached=reuse)
+        slot.move(SlotState.STARTED)
+        self._slots_changed = True
+
+    # -- one step -------------------------------------------------------------
+
+    def step(self) -> None:
+        self._admit()
+        batch = self.batch
+        n = 0
+        outputs: list[tuple[Slot, int]] = []
+
+        def add(slot: Slot, token: int, logits: bool) -> None:
+            nonlocal n
+            batch.token[n] = token
+            batch.pos[n] = len(slot.cache)
+            batch.n_seq_id[n] = 1
+            batch.seq_id[n][0] = slot.id
+            batch.logits[n] = logits
+            slot.cache.append(token)
+            if logits:
+                outputs.append((slot, n))
+            n += 1
+
+        for slot in self.slots:
+            if slot.state is SlotState.GENERATING and slot.job.next_token is not None:
+                add(slot, slot.job.next_token, True)
+                slot.job.next_token = None
+        for slot in self.slots:
+            if slot.state is SlotState.STARTED:
+                slot.move(SlotState.PROCESSING_PROMPT)
+                self._slots_changed = True
+            if slot.state is not SlotState.PROCESSING_PROMPT or n >= self.n_batch:
+                continue
+            job = slot.job
+            end = min(len(job.prompt), job.n_prompt_done + self.n_batch - n)
+            for i in range(job.n_prompt_done, end):
+                add(slot, job.prompt[i], i == len(job.prompt) - 1)
+            job.n_prompt_done = end
+
+        if n == 0:
+            self._report_slots()
+            return
+        batch.n_tokens = n
+        rc = llama.llama_decode(self.ctx, batch)
+        if rc != 0:
+            self._decode_failed(rc, outputs)
+            return
+        for slot, index in outputs:
+            self._on_logits(slot, index)
+        self._report_slots()
+
+    def _decode_failed(self, rc: int, outputs: list[tuple[Slot, int]]) -> None:
+        # The whole batch failed; the slots in it lose their cache and their request.
+        for slot in self.slots:
+            if slot.job is not None and slot.state is not SlotState.STARTED:
+                llama.llama_memory_seq_rm(self.memory, slot.id, -1, -1)
+                slot.cache.clear()
+                self._finish(slot, "error", error=f"llama_decode failed ({rc})", code="decode_failed")
+
+    def _on_logits(self, slot: Slot, index: int) -> None:
+        job = slot.job
+        if slot.state is SlotState.PROCESSING_PROMPT:
+            slot.move(SlotState.GENERATING)
+            self._slots_changed = True
+        token = job.sampler.sample(self.ctx, index)
+        now = time.perf_counter()
+        if job.first_token_at is None:
+            job.first_token_at = now
+        job.n_generated += 1
+        end = llama.llama_vocab_is_eog(self.vocab, token) or token in job.end_tokens
+        if end and not job.params.ignore_eos:
+            job.n_generated -= 1  # the end-of-generation token is not part of the answer
+            self._finish(slot, "stop")
+            return
+        text = job.stops.feed(job.utf8.feed(self.token_bytes(token)))
+        if text or job.n_generated == 1:
+            first = job.n_generated == 1
+            self.emit(
+                p.Tokens(
+                    job.request_id,
+                    text,
+                    job.n_generated,
+                    n_prompt_tokens=len(job.prompt) if first else 0,
+                    n_cached_tokens=job.n_cached if first else 0,
+                )
+            )
+        if job.stops.stopped:
+            self._finish(slot, "stop")
+        elif job.n_generated >= job.params.max_tokens:
+            self._finish(slot, "length")
+        elif len(slot.cache) + 1 >= self.n_ctx_slot:
+            self._finish(slot, "length")  # the slot's context is full
+        else:
+            job.next_token = token
+
+    def _finish(self, slot: Slot, reason: str, error: str | None = None, code: str | None = None) -> None:
+        job = slot.job
+        if reason in ("stop", "length"):
+            tail = job.stops.feed(job.utf8.flush()) + job.stops.flush()
+            if tail:
+                self.emit(p.Tokens(job.request_id, tail, job.n_generated))
+        now = time.perf_counter()
+        first = job.first_token_at or now
+        self.emit(
+            p.Done(
+                job.request_id,
+                reason,
+                prompt_tokens=len(job.prompt),
+                completion_tokens=job.n_generated,
+                cached_tokens=job.n_cached,
+                error=error,
+                error_code=code,
+                prompt_seconds=first - job.started,
+                generation_seconds=now - first,
+            )
+        )
+        job.sampler.free()
+        if job.next_token is not None:
+            pass  # a sampled token that was never decoded is simply not cached
+        slot.job = None
+        slot.move(SlotState.IDLE)
+        self._slots_changed = True
+
+    def _report_slots(self) -> None:
+        if not self._slots_changed:
+            return
+        self._slots_changed = False
+        self.emit(
+            p.SlotStates(
+                [
+                    p.SlotInfo(s.id, str(s.state), s.job.request_id if s.job else None, len(s.cache))
+                    for s in self.slots
+                ]
+            )
+        )
+
+    def close(self) -> None:
+        for slot in self.slots:
+            if slot.job is not None:
+                self._finish(slot, "cancelled")
+        for msg in self.queue:
+            self.emit(p.Done(msg.request_id, "cancelled"))
+        self.queue.clear()
+        llama.llama_batch_free(self.batch)

@@ -1,0 +1,201 @@
+"""The llama.cpp objects a worker holds, loaded in phases and torn down in order.
+
+Load: backend, model, draft model, projector, context, draft context, warm-up.
+Sleep (DESIGN's order): draft context, draft model, context, model, projector,
+backend. Each phase is timed and its bytes (llama.cpp's own buffer sizes)
+recorded; absent components are reported as skipped, so a sleep report always
+lists the six steps in the same order.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import sys
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Callable, Iterator
+
+from daemon.protocol import ModelSpec, Phase
+from daemon.worker.llama_lib import llama, mtmd
+from daemon.worker.memory import BufferLedger
+
+TEARDOWN_ORDER = ("draft_context", "draft_model", "context", "model", "mmproj", "backend")
+
+
+class LoadError(RuntimeError):
+    """A component could not be loaded; the message says which and why."""
+
+
+@dataclass
+class Runtime:
+    spec: ModelSpec
+    on_progress: Callable[[str, float], None] = lambda phase, seconds: None
+    ledger: BufferLedger = field(default_factory=BufferLedger)
+    phases: list[Phase] = field(default_factory=list)
+
+    backend_up: bool = False
+    model: ctypes.c_void_p | None = None
+    vocab: ctypes.c_void_p | None = None
+    ctx: ctypes.c_void_p | None = None
+    draft_model: ctypes.c_void_p | None = None
+    draft_ctx: ctypes.c_void_p | None = None
+    mmproj: ctypes.c_void_p | None = None
+
+    def __post_init__(self) -> None:
+        self.threads = self.spec.threads or os.cpu_count() or 1
+        self._log_callback = llama.llama_log_callback(self._on_llama_log)
+        llama.llama_log_set(self._log_callback, None)
+        self._log_tail = ""
+
+    # -- logging: llama.cpp and ggml write through this, fds 1 and 2 stay ours --
+
+    def _on_llama_log(self, level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
+        line = text.decode("utf-8", errors="replace")
+        self.ledger.observe(line)
+        if level >= 3 or os.environ.get("DORMOUSE_WORKER_VERBOSE"):  # 3 = warn, 4 = error
+            sys.stderr.write(line)
+        if level >= 4:
+            self._log_tail = (self._log_tail + line)[-2000:]
+
+    def _last_error(self) -> str:
+        tail = self._log_tail.strip().splitlines()
+        return tail[-1] if tail else "no detail from llama.cpp"
+
+    # -- phases --
+
+    @contextmanager
+    def _phase(self, name: str) -> Iterator[None]:
+        self.ledger.component = name
+        start = time.perf_counter()
+        yield
+        seconds = time.perf_counter() - start
+        self.phases.append(Phase(name, seconds, self.ledger.total(name)))
+        self.on_progress(name, seconds)
+        self.ledger.component = "other"
+
+    def load(self) -> list[Phase]:
+        spec = self.spec
+        with self._phase("backend"):
+            llama.llama_backend_init()
+            self.backend_up = True
+        with self._phase("model"):
+            self.model = self._load_model(spec.model, "model")
+            self.vocab = llama.llama_model_get_vocab(self.model)
+        if spec.model_draft:
+            with self._phase("draft_model"):
+                self.draft_model = self._load_model(spec.model_draft, "draft model")
+        if spec.mmproj:
+            with self._phase("mmproj"):
+                self.mmproj = self._load_mmproj(spec.mmproj)
+        with self._phase("context"):
+            outputs = spec.parallel * (spec.draft_max + 1 if spec.model_draft else 1)
+            self.ctx = self._new_context(self.model, spec.ctx_size, spec.parallel, outputs, "context")
+        if self.draft_model is not None:
+            with self._phase("draft_context"):
+                self.draft_ctx = self._new_context(self.draft_model, spec.ctx_size, spec.parallel, spec.parallel, "draft context")
+        return self.phases
+
+    def _load_model(self, path: str, what: str) -> ctypes.c_void_p:
+        params = llama.llama_model_default_params()
+        params.n_gpu_layers = 999 if self.spec.n_gpu_layers < 0 else self.spec.n_gpu_layers
+        model = llama.llama_model_load_from_file(os.fsencode(path), params)
+        if not model:
+            raise LoadError(f"cannot load {what} {path}: {self._last_error()}")
+        return model
+
+    def _new_context(self, model: ctypes.c_void_p, n_ctx: int, n_seq: int, n_outputs: int, what: str) -> ctypes.c_void_p:
+        params = llama.llama_context_default_params()
+        params.n_ctx = n_ctx
+        params.n_batch = self.spec.batch_size
+        params.n_ubatch = self.spec.batch_size
+        params.n_seq_max = n_seq
+        # Logits are read for at most one token per slot (plus drafted ones);
+        # the default reserves a vocab-wide row per batch token (514 MiB of
+        # compute buffer for Gemma 3 instead of 20).
+        params.n_outputs_max = n_outputs
+        params.n_threads = self.threads
+        params.n_threads_batch = self.threads
+        params.no_perf = True
+        ctx = llama.llama_init_from_model(model, params)
+        if not ctx:
+            raise LoadError(f"cannot create {what} (n_ctx={n_ctx}): {self._last_error()}")
+        return ctx
+
+    def _load_mmproj(self, path: str) -> ctypes.c_void_p:
+        lib = mtmd()
+        params = lib.mtmd_context_params_default()
+        params.use_gpu = self.spec.n_gpu_layers != 0
+        params.n_threads = self.threads
+        params.print_timings = False
+        if hasattr(lib, "mtmd_helper_log_set"):
+            lib.mtmd_helper_log_set(self._log_callback, None)
+        ctx = lib.mtmd_init_from_file(os.fsencode(path), self.model, params)
+        if not ctx:
+            raise LoadError(f"cannot load projector {path}: {self._last_error()}")
+        return ctx
+
+    # -- teardown --
+
+    def teardown(self) -> list[Phase]:
+        """Free everything in DESIGN's order; every step is reported, skipped or not."""
+        steps: dict[str, Callable[[], bool]] = {
+            "draft_context": lambda: self._free("draft_ctx", llama.llama_free),
+            "draft_model": lambda: self._free("draft_model", llama.llama_model_free),
+            "context": lambda: self._free("ctx", llama.llama_free),
+            "model": lambda: self._free("model", llama.llama_model_free),
+            "mmproj": lambda: self._free("mmproj", lambda c: mtmd().mtmd_free(c)),
+            "backend": self._free_backend,
+        }
+        report = []
+        for name in TEARDOWN_ORDER:
+            start = time.perf_counter()
+            held = steps[name]()
+            freed = self.ledger.forget(name)
+            report.append(Phase(name, time.perf_counter() - start, freed, skipped=not held))
+        return report
+
+    def _free(self, attr: str, free: Callable[[ctypes.c_void_p], None]) -> bool:
+        handle = getattr(self, attr)
+        if not handle:
+            return False
+        free(handle)
+        setattr(self, attr, None)
+        return True
+
+    def _free_backend(self) -> bool:
+        if not self.backend_up:
+            return False
+        llama.llama_backend_free()
+        self.backend_up = False
+        return True
+
+    # -- model facts --
+
+    def meta(self, key: str) -> str | None:
+        buf = ctypes.create_string_buffer(1 << 16)
+        n = llama.llama_model_meta_val_str(self.model, key.encode(), buf, len(buf))
+        if n < 0:
+            return None
+        if n >= len(buf):
+            buf = ctypes.create_string_buffer(n + 1)
+            llama.llama_model_meta_val_str(self.model, key.encode(), buf, len(buf))
+        return buf.value.decode("utf-8", errors="replace")
+
+    def describe(self) -> dict[str, object]:
+        buf = ctypes.create_string_buffer(256)
+        llama.llama_model_desc(self.model, buf, len(buf))
+        return {
+            "path": self.spec.model,
+            "description": buf.value.decode(errors="replace"),
+            "architecture": self.meta("general.architecture"),
+            "name": self.meta("general.name"),
+            "n_params": llama.llama_model_n_params(self.model),
+            "size_bytes": llama.llama_model_size(self.model),
+            "n_ctx_train": llama.llama_model_n_ctx_train(self.model),
+            "n_vocab": llama.llama_vocab_n_tokens(self.vocab),
+            "n_embd": llama.llama_model_n_embd(self.model),
+            "draft": self.spec.model_draft,
+            "mmproj": self.spec.mmproj,
+        }

@@ -1,0 +1,53 @@
+"""One slot: a sequence id in the shared context, the tokens its KV cache holds,
+and the request it is serving. Its state follows statemachine.slots."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from daemon.protocol import SamplingParams
+from daemon.worker.sampling import SamplerChain
+from daemon.worker.text import StopMatcher, Utf8Assembler
+from statemachine import SlotState, check_slot_transition
+
+
+@dataclass
+class Job:
+    """A request while a slot works on it."""
+
+    request_id: str
+    prompt: list[int]
+    params: SamplingParams
+    sampler: SamplerChain
+    utf8: Utf8Assembler = field(default_factory=Utf8Assembler)
+    stops: StopMatcher = field(init=False)
+    n_prompt_done: int = 0  # prompt tokens already in the KV cache
+    n_cached: int = 0  # of those, reused from the previous request
+    n_generated: int = 0
+    next_token: int | None = None  # sampled, not yet decoded
+    started: float = field(default_factory=time.perf_counter)
+    first_token_at: float | None = None
+    end_tokens: frozenset[int] = frozenset()  # chat: end-of-turn markers that end generation
+
+    def __post_init__(self) -> None:
+        self.stops = StopMatcher(self.params.stop)
+
+
+class Slot:
+    def __init__(self, seq_id: int) -> None:
+        self.id = seq_id
+        self.state = SlotState.IDLE
+        self.cache: list[int] = []  # tokens whose K/V this sequence holds, in order
+        self.job: Job | None = None
+
+    def move(self, new: SlotState) -> None:
+        self.state = check_slot_transition(self.state, new)
+
+    def common_prefix(self, tokens: list[int]) -> int:
+        n = 0
+        for a, b in zip(self.cache, tokens):
+            if a != b:
+                break
+            n += 1
+        return n

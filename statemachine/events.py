@@ -1,0 +1,91 @@
+"""Events fed into the server state machine. Each is a plain frozen value."""
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Event:
+    pass
+
+
+@dataclass(frozen=True)
+class Started(Event):
+    """The daemon is up and HTTP is bound: begin the first load."""
+
+
+@dataclass(frozen=True)
+class WorkerReady(Event):
+    n_slots: int
+    info: dict[str, Any] = field(default_factory=dict, compare=False)
+
+
+@dataclass(frozen=True)
+class WorkerLoadFailed(Event):
+    reason: str
+
+
+@dataclass(frozen=True)
+class WorkerExited(Event):
+    """The worker process went away without being asked to."""
+
+    reason: str
+
+
+@dataclass(frozen=True)
+class SleepCompleted(Event):
+    """The worker tore down in order, sent its report and exited."""
+
+    report: dict[str, Any] = field(default_factory=dict, compare=False)
+
+
+@dataclass(frozen=True)
+class RequestArrived(Event):
+    request_id: str
+
+
+@dataclass(frozen=True)
+class RequestFinished(Event):
+    """The worker is done with a request (answered, failed or cancelled)."""
+
+    request_id: str
+    ok: bool = True
+
+
+@dataclass(frozen=True)
+class RequestAbandoned(Event):
+    """The client gave up (disconnect or wake timeout)."""
+
+    request_id: str
+
+
+@dataclass(frozen=True)
+class IdleTimerFired(Event):
+    generation: int
+
+
+@dataclass(frozen=True)
+class RetryTimerFired(Event):
+    generation: int
+
+
+@dataclass(frozen=True)
+class SleepRequested(Event):
+    ticket: int = 0
+
+
+@dataclass(frozen=True)
+class WakeRequested(Event):
+    ticket: int = 0
+
+
+@dataclass(frozen=True)
+class StopRequested(Event):
+    pass
+
+
+@dataclass(frozen=True)
+class PolicyChanged(Event):
+    """The operator reloaded the configuration (SIGHUP)."""
+
+    policy: Any

@@ -1,0 +1,318 @@
+"""The server state machine: one table of transitions, events in, commands out.
+
+`ServerMachine.handle(event)` looks up the row for (current state, event type)
+and runs it. A missing row is a bug and raises `InvalidTransition`: every event
+that can legitimately arrive in a state has a row, even if the row ignores it
+(for instance a timer that fired just before it was disarmed).
+
+The machine also keeps the request bookkeeping that the idle policy needs: a
+request counts as in flight from the moment it is accepted, so the idle timer
+is armed only when nothing is in flight or waiting, and a request can never
+race the teardown.
+"""
+
+from collections import deque
+from dataclasses import dataclass
+from typing import Callable
+
+from statemachine.commands import (
+    ArmIdleTimer,
+    ArmRetryTimer,
+    CancelRequest,
+    Command,
+    DisarmIdleTimer,
+    Dispatch,
+    Exit,
+    FailRequests,
+    Reject,
+    Reply,
+    StartWorker,
+    StopWorker,
+)
+from statemachine.events import (
+    Event,
+    IdleTimerFired,
+    PolicyChanged,
+    RequestAbandoned,
+    RequestArrived,
+    RequestFinished,
+    RetryTimerFired,
+    SleepCompleted,
+    SleepRequested,
+    Started,
+    StopRequested,
+    WakeRequested,
+    WorkerExited,
+    WorkerLoadFailed,
+    WorkerReady,
+)
+from statemachine.states import ServerState as S
+
+
+class InvalidTransition(RuntimeError):
+    """An event arrived in a state that has no row for it."""
+
+
+@dataclass(frozen=True)
+class Policy:
+    idle_seconds: float = 300.0  # < 0: never sleep on idle
+    parallel: int = 4  # slots the worker will have
+    max_queued: int = 128  # requests accepted beyond the slots (or during a wake)
+    retry_base_seconds: float = 1.0  # backoff after a failed load: base * 2**(n-1)
+    retry_max_seconds: float = 60.0
+
+    @property
+    def capacity(self) -> int:
+        return self.parallel + self.max_queued
+
+
+class ServerMachine:
+    def __init__(self, policy: Policy | None = None) -> None:
+        self.policy = policy or Policy()
+        self.state = S.STARTING
+        self.in_flight: set[str] = set()  # handed to the worker
+        self.waiting: deque[str] = deque()  # accepted, waiting for a worker
+        self.worker_up = False  # a worker process exists (loading, loaded or tearing down)
+        self.stop_sent = False
+        self.wake_pending = False
+        self.failure_reason: str | None = None
+        self.consecutive_load_failures = 0
+        self.retry_delay = 0.0
+        self.idle_generation = 0
+        self.retry_generation = 0
+        self.last_event: Event | None = None
+
+    # -- entry point -------------------------------------------------------
+
+    def handle(self, event: Event) -> list[Command]:
+        row = TRANSITIONS.get((self.state, type(event)))
+        if row is None:
+            raise InvalidTransition(f"no transition for {type(event).__name__} in state {self.state}")
+        self.last_event = event
+        return row(self, event)
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.in_flight or self.waiting)
+
+    # -- helpers -----------------------------------------------------------
+
+    def _arm_idle_if_quiet(self) -> list[Command]:
+        if self.state is not S.READY or self.busy or self.policy.idle_seconds < 0:
+            return []
+        self.idle_generation += 1
+        return [ArmIdleTimer(self.policy.idle_seconds, self.idle_generation)]
+
+    def _disarm_idle(self) -> list[Command]:
+        self.idle_generation += 1
+        return [DisarmIdleTimer()]
+
+    def _start_worker(self, state: S) -> list[Command]:
+        self.state = state
+        self.worker_up = True
+        self.stop_sent = False
+        self.wake_pending = False
+        return [StartWorker()]
+
+    def _stop_worker(self) -> list[Command]:
+        if not self.worker_up or self.stop_sent:
+            return []
+        self.stop_sent = True
+        return [StopWorker()]
+
+    def _take_waiting(self) -> tuple[str, ...]:
+        ids = tuple(self.waiting)
+        self.waiting.clear()
+        return ids
+
+    # -- rows --------------------------------------------------------------
+
+    def _ignore(self, event: Event) -> list[Command]:
+        return []
+
+    def _begin_first_load(self, event: Started) -> list[Command]:
+        return self._start_worker(S.LOADING)
+
+    def _worker_ready(self, event: WorkerReady) -> list[Command]:
+        self.state = S.READY
+        self.failure_reason = None
+        self.consecutive_load_failures = 0
+        ids = self._take_waiting()
+        self.in_flight.update(ids)
+        commands: list[Command] = [Dispatch(ids)] if ids else []
+        return commands + self._arm_idle_if_quiet()
+
+    def _load_failed(self, event: WorkerLoadFailed | WorkerExited) -> list[Command]:
+        self.state = S.FAILED
+        self.worker_up = False
+        self.failure_reason = event.reason
+        self.consecutive_load_failures += 1
+        self.retry_delay = min(
+            self.policy.retry_base_seconds * 2 ** (self.consecutive_load_failures - 1),
+            self.policy.retry_max_seconds,
+        )
+        self.retry_generation += 1
+        commands: list[Command] = []
+        ids = self._take_waiting()
+        if ids:
+            commands.append(Reject(ids, f"model failed to load: {event.reason}", "model_load_failed", self.retry_delay))
+        commands.append(ArmRetryTimer(self.retry_delay, self.retry_generation))
+        return commands
+
+    def _crashed_while_ready(self, event: WorkerExited) -> list[Command]:
+        # The worker is gone, so nothing holds the model: that is sleeping. The
+        # requests it was serving fail; the next request wakes a new worker.
+        self.state = S.SLEEPING
+        self.worker_up = False
+        ids = tuple(sorted(self.in_flight))
+        self.in_flight.clear()
+        commands = self._disarm_idle()
+        if ids:
+            commands.append(FailRequests(ids, f"worker exited: {event.reason}"))
+        return commands
+
+    def _unloaded(self, event: SleepCompleted | WorkerExited) -> list[Command]:
+        self.worker_up = False
+        if self.waiting or self.wake_pending:
+            return self._start_worker(S.WAKING)
+        self.state = S.SLEEPING
+        return []
+
+    def _idle_fired(self, event: IdleTimerFired) -> list[Command]:
+        if event.generation != self.idle_generation or self.busy:
+            return []  # stale: a request came in after the timer was armed
+        self.state = S.UNLOADING
+        return self._stop_worker()
+
+    def _retry_fired(self, event: RetryTimerFired) -> list[Command]:
+        if event.generation != self.retry_generation:
+            return []
+        return self._start_worker(S.LOADING)
+
+    def _request_arrived(self, event: RequestArrived) -> list[Command]:
+        rid = event.request_id
+        if self.state is S.STOPPING:
+            return [Reject((rid,), "server is shutting down", "shutting_down")]
+        if self.state is S.FAILED:
+            return [
+                Reject((rid,), f"model unavailable: {self.failure_reason}", "model_unavailable", self.retry_delay)
+            ]
+        if len(self.in_flight) + len(self.waiting) >= self.policy.capacity:
+            return [Reject((rid,), f"server busy: {self.policy.capacity} requests already accepted", "queue_full", 1.0)]
+        if self.state is S.READY:
+            self.in_flight.add(rid)
+            return self._disarm_idle() + [Dispatch((rid,))]
+        self.waiting.append(rid)
+        if self.state is S.SLEEPING:
+            return self._start_worker(S.WAKING)
+        return []  # STARTING, LOADING, WAKING, UNLOADING: the load under way (or next) serves it
+
+    def _request_finished(self, event: RequestFinished) -> list[Command]:
+        self.in_flight.discard(event.request_id)
+        if self.state is S.STOPPING:
+            return [] if self.in_flight else self._stop_worker()
+        return self._arm_idle_if_quiet()
+
+    def _request_abandoned(self, event: RequestAbandoned) -> list[Command]:
+        rid = event.request_id
+        if rid in self.waiting:
+            self.waiting.remove(rid)
+            return []
+        if rid in self.in_flight:
+            return [CancelRequest(rid)]  # the worker answers with a finish
+        return []
+
+    def _sleep_requested(self, event: SleepRequested) -> list[Command]:
+        t = event.ticket
+        if self.state is S.READY:
+            if self.busy:
+                return [Reply(t, False, f"busy: {len(self.in_flight)} requests in flight")]
+            self.state = S.UNLOADING
+            return self._disarm_idle() + self._stop_worker() + [Reply(t, True, "going to sleep")]
+        if self.state in (S.SLEEPING, S.UNLOADING):
+            return [Reply(t, True, "already asleep")]
+        return [Reply(t, False, f"cannot sleep while {self.state}")]
+
+    def _wake_requested(self, event: WakeRequested) -> list[Command]:
+        t = event.ticket
+        if self.state is S.SLEEPING:
+            return self._start_worker(S.WAKING) + [Reply(t, True, "waking")]
+        if self.state is S.FAILED:
+            self.retry_generation += 1  # the pending retry timer is now stale
+            return self._start_worker(S.LOADING) + [Reply(t, True, "retrying the load")]
+        if self.state is S.UNLOADING:
+            self.wake_pending = True
+            return [Reply(t, True, "will wake once unloaded")]
+        if self.state in (S.READY, S.LOADING, S.WAKING):
+            return [Reply(t, True, f"already {self.state}")]
+        return [Reply(t, False, f"cannot wake while {self.state}")]
+
+    def _policy_changed(self, event: PolicyChanged) -> list[Command]:
+        self.policy = event.policy
+        if self.state is S.READY and not self.busy:
+            return self._disarm_idle() + self._arm_idle_if_quiet()  # re-armed with the new timeout
+        return []
+
+    def _stop_requested(self, event: StopRequested) -> list[Command]:
+        previous = self.state
+        self.state = S.STOPPING
+        commands = self._disarm_idle()
+        ids = self._take_waiting()
+        if ids:
+            commands.append(Reject(ids, "server is shutting down", "shutting_down"))
+        if not self.worker_up:
+            return commands + [Exit()]
+        if previous is S.UNLOADING or self.in_flight:
+            return commands  # finish the teardown / let in-flight requests drain
+        return commands + self._stop_worker()
+
+    def _worker_gone_while_stopping(self, event: SleepCompleted | WorkerExited | WorkerLoadFailed) -> list[Command]:
+        self.worker_up = False
+        commands: list[Command] = []
+        ids = tuple(sorted(self.in_flight))
+        self.in_flight.clear()
+        if ids:
+            commands.append(FailRequests(ids, "server is shutting down"))
+        return commands + [Exit()]
+
+    def _ready_while_stopping(self, event: WorkerReady) -> list[Command]:
+        return self._stop_worker()
+
+
+Row = Callable[[ServerMachine, Event], list[Command]]
+M = ServerMachine
+ALL_STATES = tuple(S)
+
+# The transition table. Read it by state: which events may arrive, and what each does.
+TRANSITIONS: dict[tuple[S, type[Event]], Row] = {
+    (S.STARTING, Started): M._begin_first_load,
+    (S.LOADING, WorkerReady): M._worker_ready,
+    (S.WAKING, WorkerReady): M._worker_ready,
+    (S.LOADING, WorkerLoadFailed): M._load_failed,
+    (S.WAKING, WorkerLoadFailed): M._load_failed,
+    (S.LOADING, WorkerExited): M._load_failed,
+    (S.WAKING, WorkerExited): M._load_failed,
+    (S.READY, WorkerExited): M._crashed_while_ready,
+    (S.UNLOADING, SleepCompleted): M._unloaded,
+    (S.UNLOADING, WorkerExited): M._unloaded,
+    (S.READY, IdleTimerFired): M._idle_fired,
+    (S.FAILED, RetryTimerFired): M._retry_fired,
+    (S.READY, RequestFinished): M._request_finished,
+    (S.STOPPING, RequestFinished): M._request_finished,
+    (S.STOPPING, SleepCompleted): M._worker_gone_while_stopping,
+    (S.STOPPING, WorkerExited): M._worker_gone_while_stopping,
+    (S.STOPPING, WorkerLoadFailed): M._worker_gone_while_stopping,
+    (S.STOPPING, WorkerReady): M._ready_while_stopping,
+    (S.STOPPING, StopRequested): M._ignore,
+}
+for _state in ALL_STATES:
+    TRANSITIONS[(_state, RequestArrived)] = M._request_arrived
+    TRANSITIONS[(_state, RequestAbandoned)] = M._request_abandoned
+    TRANSITIONS[(_state, SleepRequested)] = M._sleep_requested
+    TRANSITIONS[(_state, WakeRequested)] = M._wake_requested
+    TRANSITIONS[(_state, PolicyChanged)] = M._policy_changed
+    TRANSITIONS.setdefault((_state, StopRequested), M._stop_requested)
+    # A timer can fire just before it is disarmed; outside its state it is stale.
+    TRANSITIONS.setdefault((_state, IdleTimerFired), M._ignore)
+    TRANSITIONS.setdefault((_state, RetryTimerFired), M._ignore)
+del _state

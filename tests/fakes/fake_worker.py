@@ -1,0 +1,94 @@
+"""A fake worker that speaks the real protocol (daemon.protocol over the real
+channel) without llama.cpp, for fast tests of the controller.
+
+Behaviour comes from the environment:
+  FAKE_LOAD_SECONDS       time Load takes (default 0.05)
+  FAKE_LOAD_ERROR         send Error(message) instead of Ready, exit 3
+  FAKE_CRASH_ON_LOAD      die by SIGSEGV during Load
+  FAKE_CRASH_AFTER_TOKENS die by SIGKILL after emitting this many tokens in total
+  FAKE_TOKEN_SECONDS      time per decode step (default 0.01)
+  FAKE_LOAD_COUNTER       file to append a line to on every Load (counts wakes)
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import sys
+import time
+
+from daemon import protocol as p
+from daemon.worker.channel import Channel
+
+
+def env_float(name: str, default: float) -> float:
+    return float(os.environ.get(name, default))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--fd", type=int, required=True)
+    args = parser.parse_args()
+    channel = Channel(socket.socket(fileno=args.fd))
+    channel.send(p.Hello(os.getpid()))
+    message = channel.receive()
+    if not isinstance(message, p.Load):
+        return 0
+    if os.environ.get("FAKE_LOAD_COUNTER"):
+        with open(os.environ["FAKE_LOAD_COUNTER"], "a") as f:
+            f.write(f"{os.getpid()}\n")
+    start = time.perf_counter()
+    time.sleep(env_float("FAKE_LOAD_SECONDS", 0.05))
+    if os.environ.get("FAKE_CRASH_ON_LOAD"):
+        print("fake worker: crashing during load", file=sys.stderr, flush=True)
+        os.kill(os.getpid(), signal.SIGSEGV)
+    if os.environ.get("FAKE_LOAD_ERROR"):
+        channel.send(p.Error(os.environ["FAKE_LOAD_ERROR"], during="load"))
+        return 3
+    spec = message.spec
+    phases = [p.Phase("backend", 0.0), p.Phase("model", time.perf_counter() - start, 1000), p.Phase("context", 0.0, 100)]
+    channel.send(p.Ready(spec.parallel, spec.ctx_size, spec.ctx_size // spec.parallel, phases,
+                         {"path": spec.model, "fake": True}, {"model": 1000, "context": 100}))
+
+    crash_after = int(os.environ.get("FAKE_CRASH_AFTER_TOKENS", "0"))
+    step = env_float("FAKE_TOKEN_SECONDS", 0.01)
+    active: dict[str, list] = {}  # request id -> [params, n emitted]
+    emitted_total = 0
+    while True:
+        message = channel.receive(block=not active)
+        while message is not False:
+            if message is None or isinstance(message, p.Sleep):
+                for rid in active:
+                    channel.send(p.Done(rid, "cancelled"))
+                phases = [p.Phase(n, 0.001, 10, skipped=n in ("draft_context", "draft_model", "mmproj"))
+                          for n in ("draft_context", "draft_model", "context", "model", "mmproj", "backend")]
+                channel.send(p.SleepReport(phases))
+                return 0
+            if isinstance(message, p.Submit):
+                if message.prompt == "FAIL":
+                    channel.send(p.Done(message.request_id, "error", error="prompt too long", error_code="context_length_exceeded"))
+                else:
+                    active[message.request_id] = [message.params, 0]
+            elif isinstance(message, p.Cancel) and message.request_id in active:
+                del active[message.request_id]
+                channel.send(p.Done(message.request_id, "cancelled"))
+            message = channel.receive(block=False)
+        if not active:
+            continue
+        time.sleep(step)
+        for rid, state in list(active.items()):
+            params, n = state
+            channel.send(p.Tokens(rid, f"t{n} ", n + 1, n_prompt_tokens=3 if n == 0 else 0))
+            state[1] = n + 1
+            emitted_total += 1
+            if crash_after and emitted_total >= crash_after:
+                os.kill(os.getpid(), signal.SIGKILL)
+            if state[1] >= params.max_tokens:
+                del active[rid]
+                channel.send(p.Done(rid, "length", prompt_tokens=3, completion_tokens=state[1]))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
