@@ -47,7 +47,8 @@ class Settings(BaseSettings):
     draft_max: int = Field(16, ge=1)
     draft_min: int = Field(0, ge=0)
     draft_p_min: float = Field(0.75, ge=0.0, le=1.0)
-    warmup: bool = Field(True, description="run one decode after load so the first request is warm")
+    cpu_repack: bool = Field(False, description="repacked CPU weights: batch-size-dependent kernels, so outputs depend on batching")
+    warmup: bool = Field(True, description="one decode after a load at start or by POST /wake (a wake for a request skips it: the request warms up)")
 
     # -- sleep --
     sleep_idle_seconds: float = Field(300, description="sleep after this many idle seconds; -1 never")

@@ -236,7 +236,10 @@ class Controller:
 
     async def _start_worker(self, reason: str) -> None:
         start = time.perf_counter()
-        spec = self._model_spec()
+        # A wake that a request triggered skips the warm-up decode: that request's
+        # own prompt pays the same lazy initialisation, so a warm-up would only
+        # delay its first token (measured by bench/resume.py).
+        spec = self._model_spec(warmup=self.settings.warmup and reason != "request")
         try:
             result = await self.supervisor.start(spec, timeout=self.settings.load_timeout)
         except LoadFailed as exc:
@@ -303,7 +306,7 @@ class Controller:
                       phases={ph["name"]: round(ph["seconds"], 5) for ph in phases}, pid=result.pid)
         self.post(SleepCompleted({"clean": report is not None}))
 
-    def _model_spec(self) -> p.ModelSpec:
+    def _model_spec(self, warmup: bool) -> p.ModelSpec:
         s = self.settings
         template = s.chat_template_file.read_text() if s.chat_template_file else None
         return p.ModelSpec(
@@ -319,7 +322,8 @@ class Controller:
             draft_max=s.draft_max,
             draft_min=s.draft_min,
             draft_p_min=s.draft_p_min,
-            warmup=s.warmup,
+            warmup=warmup,
+            cpu_repack=s.cpu_repack,
         )
 
     # -- from the worker ------------------------------------------------------------

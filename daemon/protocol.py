@@ -42,6 +42,7 @@ class ModelSpec(msgspec.Struct, omit_defaults=True):
     draft_min: int = 0
     draft_p_min: float = 0.75
     warmup: bool = True
+    cpu_repack: bool = False
     seed: int = -1
 
 

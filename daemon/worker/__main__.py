@@ -101,6 +101,8 @@ def serve(channel: Channel, engine) -> None:
             message = channel.receive(block=False)
         if engine.busy:
             engine.step()
+        else:
+            engine.report_slots()  # a cancel outside a step changed a slot
 
 
 if __name__ == "__main__":

@@ -1,8 +1,8 @@
 """Slots and continuous batching on one llama.cpp context.
 
-Each step builds one batch from every active slot, the next token of each
-generating slot first and then prompt chunks up to the batch size, and calls
-llama_decode once. Requests beyond the slots wait in a FIFO. A request lands
+Each step decodes the next token of every generating slot in one batch (one
+llama_decode for all of them), then each prompt chunk on its own (see
+Engine.step for why). Requests beyond the slots wait in a FIFO. A request lands
 on the idle slot whose cache shares the longest prefix with its prompt, and
 only the rest of the prompt is decoded (llama-server's prompt cache).
 """
@@ -171,13 +171,43 @@ class Engine:
     # -- one step -------------------------------------------------------------
 
     def step(self) -> None:
-        self._admit()
-        batch = self.batch
-        n = 0
-        outputs: list[tuple[Slot, int]] = []
+        """One decode for the next token of every generating slot, then one
+        decode per prompt chunk.
 
-        def add(slot: Slot, token: int, logits: bool) -> None:
-            nonlocal n
+        Why not one batch for everything: llama.cpp's CPU matmul kernels
+        change with the number of tokens in a batch (above 4 they take another
+        path, and logits move by up to ~1.0 for Gemma 3), so a prompt decoded
+        beside other slots' prompts would give other greedy output than alone.
+        A prompt chunk is decoded by itself, its size fixed by batch_size, so
+        what a slot computes does not depend on its neighbours; the generating
+        slots still share one decode (that is where batching pays).
+        """
+        self._admit()
+        generating = [s for s in self.slots if s.state is SlotState.GENERATING and s.job.next_token is not None]
+        if generating:
+            entries = []
+            for slot in generating:
+                entries.append((slot, slot.job.next_token, True))
+                slot.job.next_token = None
+            self._decode(entries)
+        for slot in self.slots:
+            if slot.state is SlotState.STARTED:
+                slot.move(SlotState.PROCESSING_PROMPT)
+                self._slots_changed = True
+            if slot.state is not SlotState.PROCESSING_PROMPT:
+                continue
+            job = slot.job
+            end = min(len(job.prompt), job.n_prompt_done + self.n_batch)
+            entries = [(slot, job.prompt[i], i == len(job.prompt) - 1) for i in range(job.n_prompt_done, end)]
+            job.n_prompt_done = end
+            self._decode(entries)
+        self.report_slots()
+
+    def _decode(self, entries: list[tuple[Slot, int, bool]]) -> None:
+        """Decode (slot, token, wants logits) entries as one batch and handle the logits."""
+        batch = self.batch
+        outputs: list[tuple[Slot, int]] = []
+        for n, (slot, token, logits) in enumerate(entries):
             batch.token[n] = token
             batch.pos[n] = len(slot.cache)
             batch.n_seq_id[n] = 1
@@ -186,42 +216,20 @@ class Engine:
             slot.cache.append(token)
             if logits:
                 outputs.append((slot, n))
-            n += 1
-
-        for slot in self.slots:
-            if slot.state is SlotState.GENERATING and slot.job.next_token is not None:
-                add(slot, slot.job.next_token, True)
-                slot.job.next_token = None
-        for slot in self.slots:
-            if slot.state is SlotState.STARTED:
-                slot.move(SlotState.PROCESSING_PROMPT)
-                self._slots_changed = True
-            if slot.state is not SlotState.PROCESSING_PROMPT or n >= self.n_batch:
-                continue
-            job = slot.job
-            end = min(len(job.prompt), job.n_prompt_done + self.n_batch - n)
-            for i in range(job.n_prompt_done, end):
-                add(slot, job.prompt[i], i == len(job.prompt) - 1)
-            job.n_prompt_done = end
-
-        if n == 0:
-            self._report_slots()
-            return
-        batch.n_tokens = n
+        batch.n_tokens = len(entries)
         rc = llama.llama_decode(self.ctx, batch)
         if rc != 0:
-            self._decode_failed(rc, outputs)
+            self._decode_failed(rc, {slot for slot, _, _ in entries})
             return
         for slot, index in outputs:
             self._on_logits(slot, index)
-        self._report_slots()
 
-    def _decode_failed(self, rc: int, outputs: list[tuple[Slot, int]]) -> None:
-        # The whole batch failed; the slots in it lose their cache and their request.
-        for slot in self.slots:
-            if slot.job is not None and slot.state is not SlotState.STARTED:
-                llama.llama_memory_seq_rm(self.memory, slot.id, -1, -1)
-                slot.cache.clear()
+    def _decode_failed(self, rc: int, slots: set[Slot]) -> None:
+        # The batch failed: the slots in it lose their cache and their request.
+        for slot in slots:
+            llama.llama_memory_seq_rm(self.memory, slot.id, -1, -1)
+            slot.cache.clear()
+            if slot.job is not None:
                 self._finish(slot, "error", error=f"llama_decode failed ({rc})", code="decode_failed")
 
     def _on_logits(self, slot: Slot, index: int) -> None:
@@ -288,7 +296,7 @@ class Engine:
         slot.move(SlotState.IDLE)
         self._slots_changed = True
 
-    def _report_slots(self) -> None:
+    def report_slots(self) -> None:
         if not self._slots_changed:
             return
         self._slots_changed = False

@@ -100,6 +100,11 @@ class Runtime:
     def _load_model(self, path: str, what: str) -> ctypes.c_void_p:
         params = llama.llama_model_default_params()
         params.n_gpu_layers = 999 if self.spec.n_gpu_layers < 0 else self.spec.n_gpu_layers
+        # The CPU "repack" buffers switch matmul kernels with the batch size, so a
+        # token's logits depend on what it was batched with (up to 0.4 apart for
+        # Gemma 3): greedy output would change with the prompt cache and with the
+        # other slots. Off by default; measured no slower here (bench/throughput.py).
+        params.use_extra_bufts = self.spec.cpu_repack
         model = llama.llama_model_load_from_file(os.fsencode(path), params)
         if not model:
             raise LoadError(f"cannot load {what} {path}: {self._last_error()}")
