@@ -120,6 +120,9 @@ class Supervisor:
         except (asyncio.TimeoutError, asyncio.IncompleteReadError, ConnectionError, ValueError) as exc:
             await self._kill(worker)
             raise LoadFailed(f"worker did not say hello: {worker.exit_reason() if worker.proc.returncode is not None else exc!r}") from None
+        except BaseException:  # cancelled (the daemon is stopping): leave no process behind
+            await asyncio.shield(self._kill(worker))
+            raise
         if not isinstance(message, p.Hello) or message.protocol != p.PROTOCOL_VERSION:
             await self._kill(worker)
             raise LoadFailed(f"worker spoke an unexpected first message: {message!r}")
@@ -254,22 +257,24 @@ class Supervisor:
             return
         worker.writer.close()
         try:
-            await asyncio.wait_for(worker.proc.wait(), 10)
-        except asyncio.TimeoutError:
-            worker.proc.kill()
-            await worker.proc.wait()
-        # Let the stderr relay drain so exit reasons can quote the last line.
-        for task in worker.tasks:
-            if task.get_name().endswith("stderr"):
-                try:
-                    await asyncio.wait_for(asyncio.shield(task), 1)
-                except asyncio.TimeoutError:
-                    pass
-        # asyncio never closes a subprocess transport by itself; an unclosed one
-        # warns at garbage collection, possibly after the loop is gone.
-        transport = getattr(worker.proc, "_transport", None)
-        if transport is not None:
-            transport.close()
+            try:
+                await asyncio.wait_for(worker.proc.wait(), 10)
+            except asyncio.TimeoutError:
+                worker.proc.kill()
+                await worker.proc.wait()
+            # Let the stderr relay drain so exit reasons can quote the last line.
+            for task in worker.tasks:
+                if task.get_name().endswith("stderr"):
+                    try:
+                        await asyncio.wait_for(asyncio.shield(task), 1)
+                    except asyncio.TimeoutError:
+                        pass
+        finally:
+            # asyncio never closes a subprocess transport by itself; an unclosed one
+            # warns at garbage collection, possibly after the loop is gone.
+            transport = getattr(worker.proc, "_transport", None)
+            if transport is not None:
+                transport.close()
         worker.exited.set()
         if self.current is worker:
             self.current = None
