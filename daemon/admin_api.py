@@ -21,7 +21,7 @@ async def health(request: web.Request) -> web.Response:
 
 async def props(request: web.Request) -> web.Response:
     c = request.app[CONTROLLER]
-    s = request.app[SETTINGS]
+    s = c.settings  # the reloaded settings (SIGHUP), not the ones the app started with
     return web.json_response({
         "state": str(c.state),
         "state_since": c.state_since,

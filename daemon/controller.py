@@ -190,7 +190,8 @@ class Controller:
         if isinstance(command, StartWorker):
             self._spawn(self._start_worker(_WAKE_REASONS.get(type(self._cause), "request")))
         elif isinstance(command, StopWorker):
-            self._spawn(self._stop_worker(_SLEEP_REASONS.get(type(self._cause), "idle")))
+            stopping = self.state is ServerState.STOPPING
+            self._spawn(self._stop_worker("shutdown" if stopping else _SLEEP_REASONS.get(type(self._cause), "idle")))
         elif isinstance(command, Dispatch):
             for request_id in command.request_ids:
                 job = self.jobs[request_id]

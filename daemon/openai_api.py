@@ -20,7 +20,7 @@ from pydantic import BaseModel, ValidationError
 
 from daemon import protocol as p
 from daemon.errors import ApiError
-from daemon.http_app import CONTROLLER, METRICS, SETTINGS
+from daemon.http_app import CONTROLLER, LOG, METRICS, SETTINGS
 from daemon.jobs import Job, JobFailure
 from daemon.schemas import ChatCompletionRequest, CompletionRequest, field_name
 
@@ -151,6 +151,8 @@ async def run_job(request: web.Request, job: Job, shape: _Shape, stream: bool, i
         raise
     finally:
         controller.abandon(job)  # no-op once finished; frees the slot if the client left
+        request.app[LOG].info("request", endpoint=job.endpoint, status=status, stream=stream, cold=job.cold,
+                              seconds=round(time.monotonic() - job.accepted_at, 4), finished=job.finished)
         metrics.requests.labels(endpoint=job.endpoint, status=str(status)).inc()
         metrics.request_seconds.labels(endpoint=job.endpoint, outcome="ok" if status == 200 else "error").observe(
             time.monotonic() - job.accepted_at)

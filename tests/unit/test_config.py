@@ -49,3 +49,18 @@ def test_example_config_is_valid():
     example = Path(__file__).parents[2] / "config" / "dormouse.example.toml"
     s = load_settings(example)
     assert s.sleep_idle_seconds == 300 and s.model is None
+
+
+def test_grafana_dashboard_queries_only_metrics_that_exist():
+    import json
+    import re
+    from pathlib import Path
+
+    from daemon.metrics import Metrics
+
+    dashboard = json.loads((Path(__file__).parents[2] / "docs" / "grafana-dashboard.json").read_text())
+    known = {m.name for m in Metrics().registry.collect()}
+    used = {re.sub(r"_(bucket|sum|count|total)$", "", name)
+            for panel in dashboard["panels"] for target in panel["targets"]
+            for name in re.findall(r"dormouse_[a-z_]+", target["expr"])}
+    assert used and used <= known | {n.removesuffix("_total") for n in known}, used - known
