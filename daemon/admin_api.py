@@ -87,7 +87,14 @@ async def wake(request: web.Request) -> web.Response:
                               "last_wake": controller.last_wake})
 
 
+async def openapi(request: web.Request) -> web.Response:
+    from daemon.openapi import openapi_document
+
+    return web.json_response(openapi_document())
+
+
 def add_routes(app: web.Application) -> None:
+    app.router.add_get("/openapi.json", openapi)
     app.router.add_get("/health", health)
     app.router.add_get("/props", props)
     app.router.add_get("/slots", slots)

@@ -126,7 +126,12 @@ class Controller:
             if self.state is not before:
                 self._on_state_change(before, event)
             for command in commands:
-                self._execute(command)
+                try:
+                    self._execute(command)
+                except Exception as exc:  # noqa: BLE001 - one bad command must not stop the owner
+                    self.log.exception("controller.command_failed", command=type(command).__name__, error=repr(exc))
+                    for request_id in getattr(command, "request_ids", ()):
+                        self._fail(request_id, JobFailure(500, "internal_error", f"internal error: {exc!r}"))
             if isinstance(event, RequestAbandoned) and event.request_id not in self.machine.in_flight:
                 self.jobs.pop(event.request_id, None)
             self._after_event(event)
@@ -196,7 +201,11 @@ class Controller:
             for request_id in command.request_ids:
                 job = self.jobs[request_id]
                 job.dispatched = True
-                self.supervisor.send(job.submit)
+                try:
+                    self.supervisor.send(job.submit)
+                except (TypeError, ValueError, OverflowError) as exc:  # validation let through what msgpack refuses
+                    self._fail(request_id, JobFailure(400, "invalid_request", f"request cannot be sent to the worker: {exc}"))
+                    self.post(RequestFinished(request_id, ok=False))
         elif isinstance(command, Reject):
             for request_id in command.request_ids:
                 self._fail(request_id, JobFailure(503, command.code, command.reason, command.retry_after))

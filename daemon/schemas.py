@@ -13,6 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from daemon import protocol as p
 
 Stop = str | Annotated[list[str], Field(max_length=16)] | None
+TokenId = Annotated[int, Field(ge=0, lt=2**31)]
 
 
 class StreamOptions(BaseModel):
@@ -44,7 +45,7 @@ class SamplingFields(BaseModel):
     @classmethod
     def _token_ids(cls, value: dict[str, float] | None) -> dict[str, float] | None:
         for key, bias in (value or {}).items():
-            if not key.lstrip("-").isdigit():
+            if not key.isdigit() or int(key) >= 2**31:
                 raise ValueError(f"logit_bias keys are token ids, got {key!r}")
             if not -100.0 <= bias <= 100.0:
                 raise ValueError(f"logit_bias for {key} must be within [-100, 100]")
@@ -74,7 +75,7 @@ class SamplingFields(BaseModel):
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | Annotated[list[int], Field(min_length=1)] | Annotated[list[str], Field(min_length=1, max_length=1)]
+    prompt: str | Annotated[list[TokenId], Field(min_length=1)] | Annotated[list[str], Field(min_length=1, max_length=1)]
     max_tokens: int = Field(256, ge=1, le=1_000_000)
     echo: Literal[False] = False
     logprobs: None = None

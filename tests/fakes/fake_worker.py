@@ -85,7 +85,7 @@ def main() -> int:
             emitted_total += 1
             if crash_after and emitted_total >= crash_after:
                 os.kill(os.getpid(), signal.SIGKILL)
-            if state[1] >= params.max_tokens:
+            if state[1] >= min(params.max_tokens, spec.ctx_size // spec.parallel):  # the slot's context is full
                 del active[rid]
                 channel.send(p.Done(rid, "length", prompt_tokens=3, completion_tokens=state[1]))
 

@@ -221,3 +221,15 @@ async def test_shutdown_lets_in_flight_finish(monkeypatch):
         response = await pending
         assert response.status == 200
         assert (await response.json())["usage"]["completion_tokens"] == 20
+
+
+async def test_out_of_range_token_ids_are_400_and_the_controller_survives():
+    """Found by schemathesis: a token id beyond int64 once killed the owner task."""
+    async with fake_daemon() as (controller, client):
+        await ready(controller)
+        response = await client.post("/v1/completions", json={"prompt": [14763784172004746199040, 5]})
+        assert response.status == 400
+        assert (await response.json())["error"]["param"].startswith("prompt")
+        response = await client.post("/v1/completions", json={"prompt": "x", "logit_bias": {"99999999999999999999": 1}})
+        assert response.status == 400
+        assert (await complete(client)).status == 200

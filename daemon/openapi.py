@@ -1,0 +1,73 @@
+"""The daemon's OpenAPI document, built from the same pydantic models that
+validate requests, served at /openapi.json."""
+
+from __future__ import annotations
+
+from functools import cache
+from typing import Any
+
+from pydantic.json_schema import models_json_schema
+
+from daemon import __version__
+from daemon.schemas import ChatCompletionRequest, CompletionRequest
+
+_ERROR = {"$ref": "#/components/schemas/Error"}
+_JSON = "application/json"
+
+
+def _error_responses(*codes: int) -> dict[str, Any]:
+    return {str(c): {"description": "error", "content": {_JSON: {"schema": _ERROR}}} for c in codes}
+
+
+def _generation(ref: str) -> dict[str, Any]:
+    return {
+        "post": {
+            "requestBody": {"required": True, "content": {_JSON: {"schema": {"$ref": f"#/components/schemas/{ref}"}}}},
+            "responses": {
+                "200": {"description": "the completion (JSON, or SSE when stream is true)",
+                        "content": {_JSON: {"schema": {"type": "object"}}, "text/event-stream": {"schema": {"type": "string"}}}},
+                **_error_responses(400, 401, 413, 503),
+            },
+        }
+    }
+
+
+def _get(description: str, *errors: int) -> dict[str, Any]:
+    return {"get": {"responses": {"200": {"description": description, "content": {_JSON: {"schema": {}}}},
+                                  **_error_responses(*errors)}}}
+
+
+@cache
+def openapi_document() -> dict[str, Any]:
+    _, schemas = models_json_schema(
+        [(CompletionRequest, "validation"), (ChatCompletionRequest, "validation")],
+        ref_template="#/components/schemas/{model}",
+    )
+    components = schemas.get("$defs", {})
+    components["Error"] = {
+        "type": "object",
+        "required": ["error"],
+        "properties": {"error": {"type": "object", "required": ["message", "type"],
+                                 "properties": {"message": {"type": "string"}, "type": {"type": "string"},
+                                                "code": {"type": ["string", "null"]}, "param": {"type": ["string", "null"]}}}},
+    }
+    admin = {"post": {"responses": {"200": {"description": "done", "content": {_JSON: {"schema": {"type": "object"}}}},
+                                    **_error_responses(401, 409, 503)}}}
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": "Dormouse", "version": __version__},
+        "paths": {
+            "/v1/completions": _generation("CompletionRequest"),
+            "/v1/chat/completions": _generation("ChatCompletionRequest"),
+            "/v1/models": _get("the loaded model", 401),
+            "/health": {"get": {"responses": {"200": {"description": "ok", "content": {_JSON: {"schema": {}}}},
+                                              "503": {"description": "loading or failed", "content": {_JSON: {"schema": {}}}}}}},
+            "/props": _get("server properties"),
+            "/slots": _get("slot states"),
+            "/metrics": {"get": {"responses": {"200": {"description": "Prometheus text",
+                                                        "content": {"text/plain": {"schema": {"type": "string"}}}}}}},
+            "/sleep": admin,
+            "/wake": admin,
+        },
+        "components": {"schemas": components},
+    }
