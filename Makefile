@@ -31,7 +31,7 @@ test-fast: $(VENV)/.installed-test
 	$(BIN)/python -m pytest -ra -m "not e2e and not reliability" $(ARGS)
 
 bench: $(VENV)/.installed-test $(VENV)/.installed-bench
-	$(BIN)/python -m bench.run_all $(ARGS)
+	$(BIN)/python -m bench.report $(ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -56,12 +56,12 @@ def measure_daemon(model: str, spawn_ahead: bool, cycles: int, threads: int) -> 
         d.stop()
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--cycles", type=int, default=5)
-    parser.add_argument("--threads", type=int, default=2)
-    args = parser.parse_args()
+def run(cycles: int = 5, threads: int = 2) -> tuple[str, dict]:
+    """Measure; return the printed report and the figures."""
+    args = argparse.Namespace(cycles=cycles, threads=threads)
     model = bundled_model()
+    out: list[str] = []
+    print = out.append  # noqa: A001 - the report is collected, then printed or written
 
     bare = [run_python(BARE.format(model=model, threads=args.threads)) for _ in range(args.cycles)]
     bare_load = median([b["load"] for b in bare])
@@ -90,7 +90,18 @@ def main() -> None:
         ["spawn-ahead", with_spare["loaded_rss"] / mib, with_spare["asleep_rss"] / mib, "< 100"],
         ["no spawn-ahead", without["loaded_rss"] / mib, without["asleep_rss"] / mib, "< 60"],
     ]))
-    print("\n" + json.dumps({"bare_load": bare_load, "with_spare": with_spare, "without": without}))
+    data = {"bare_load": bare_load, "bare_first_token": bare_first, "with_spare": with_spare, "without": without}
+    return "\n".join(out), data
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--cycles", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    text, data = run(args.cycles, args.threads)
+    print(text)
+    print("\n" + json.dumps(data))
 
 
 if __name__ == "__main__":

@@ -48,13 +48,11 @@ def aggregate(d: Daemon, streams: int, tokens: int) -> float:
     return sum(r[2] for r in results) / wall
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--tokens", type=int, default=128)
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--reps", type=int, default=3)
-    args = parser.parse_args()
+def run(tokens: int = 128, threads: int = 2, reps: int = 3) -> tuple[str, dict]:
+    args = argparse.Namespace(tokens=tokens, threads=threads, reps=reps)
     model = bundled_model()
+    out: list[str] = []
+    print = out.append  # noqa: A001
 
     llama = run_python(LLAMA.format(model=model, threads=args.threads, tokens=args.tokens, reps=args.reps))
     d = Daemon("--sleep-idle-seconds", "-1", "--parallel", "8", "--ctx-size", "8192", model=model, threads=args.threads)
@@ -76,7 +74,18 @@ def main() -> None:
     print(f"\nwarm time to first token: Llama {median(llama['ttfts']):.3f} s, dormouse {median([s[1] for s in single]):.3f} s (HTTP included)")
     print("\nAggregate tokens/s by concurrent streams (dormouse, 8 slots)\n")
     print(table(["streams", "tokens/s", "x one stream"], [[n, v, v / agg[1]] for n, v in agg.items()]))
-    print("\n" + json.dumps({"llama_rate": llama_rate, "dormouse_rate": rate, "aggregate": agg}))
+    return "\n".join(out), {"llama_rate": llama_rate, "dormouse_rate": rate, "aggregate": agg}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--tokens", type=int, default=128)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--reps", type=int, default=3)
+    args = parser.parse_args()
+    text, data = run(args.tokens, args.threads, args.reps)
+    print(text)
+    print("\n" + json.dumps(data))
 
 
 if __name__ == "__main__":

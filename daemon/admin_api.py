@@ -58,6 +58,7 @@ async def slots(request: web.Request) -> web.Response:
 
 
 async def metrics(request: web.Request) -> web.Response:
+    request.app[CONTROLLER].sample_worker_memory()  # read at scrape time; never wakes anything
     body, content_type = request.app[METRICS].render()
     return web.Response(body=body, headers={"Content-Type": content_type})
 

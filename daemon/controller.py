@@ -16,8 +16,11 @@ import time
 import uuid
 from typing import Any, Callable
 
+import psutil
+
 from config import Settings
 from daemon import protocol as p
+from daemon.gpu import Nvml
 from daemon.jobs import Job, JobFailure
 from daemon.metrics import Metrics
 from daemon.supervisor import LoadFailed, Supervisor, Worker
@@ -82,6 +85,7 @@ class Controller:
         self.supervisor = Supervisor(settings.worker_module, self._on_worker_message, self._on_worker_died, log)
         self.mailbox: asyncio.Queue[Event] = asyncio.Queue()
         self.jobs: dict[str, Job] = {}
+        self.nvml = Nvml()
         self.stopped = asyncio.Event()
         self.state_listeners: list[Callable[[ServerState, ServerState], None]] = []
 
@@ -304,6 +308,7 @@ class Controller:
             "clean": report is not None,
             "phases": phases,
             "worker_rss_before": report.rss_before if report else None,
+            "memory_returned": await self._check_memory_returned(result.pid),
         }
         self.metrics.sleep_seconds.observe(total)
         self.metrics.sleeps.labels(reason=reason).inc()
@@ -401,6 +406,35 @@ class Controller:
         if self._retry_timer is not None:
             self._retry_timer.cancel()
             self._retry_timer = None
+
+    def sample_worker_memory(self) -> None:
+        """Worker RSS and per-GPU memory (NVML) into the metrics; zero when no worker holds a model."""
+        worker = self.supervisor.current
+        rss = 0
+        if worker is not None and worker.phase == "serving":
+            try:
+                rss = psutil.Process(worker.pid).memory_info().rss
+            except psutil.Error:
+                pass
+        self.metrics.worker_rss_bytes.set(rss)
+        self.metrics.gpu_memory_used_bytes.clear()
+        if worker is not None and self.nvml.available:
+            for gpu, used in self.nvml.used_by(worker.pid).items():
+                self.metrics.gpu_memory_used_bytes.labels(gpu=str(gpu)).set(used)
+
+    async def _check_memory_returned(self, pid: int | None) -> dict[str, Any]:
+        """After a worker exit: did its memory come back? On GPU, NVML must list
+        nothing for the old pid (polled: drivers report late)."""
+        if pid is None:
+            return {"checked": False}
+        gone = not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+        released, seconds = await self.nvml.wait_released(pid)
+        self.metrics.memory_reclaim_seconds.set(seconds)
+        result = {"process_gone": gone, "gpu_checked": self.nvml.available, "gpu_released": released,
+                  "seconds": seconds}
+        log = self.log.info if (gone and released) else self.log.error
+        log("sleep.memory_returned", pid=pid, **result)
+        return result
 
     def idle_deadline(self) -> float | None:
         """Seconds until the idle timer fires, if armed."""

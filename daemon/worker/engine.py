@@ -50,6 +50,13 @@ class Engine:
             eos_token=self.token_text(llama.llama_vocab_eos(self.vocab)),
         )
         self._slots_changed = False
+        self.speculator = None
+        if runtime.draft_ctx is not None:
+            from daemon.worker.speculative import Speculator
+
+            spec = runtime.spec
+            self.speculator = Speculator(runtime.draft_ctx, runtime.draft_model, spec.parallel, spec.batch_size,
+                                         spec.draft_max, spec.draft_min, spec.draft_p_min)
         self.end_of_turn = self._single_tokens(END_OF_TURN_MARKERS)
 
     # -- requests in --------------------------------------------------------
@@ -184,7 +191,10 @@ class Engine:
         """
         self._admit()
         generating = [s for s in self.slots if s.state is SlotState.GENERATING and s.job.next_token is not None]
-        if generating:
+        if generating and self.speculator is not None:
+            for slot in generating:
+                self._speculate(slot)
+        elif generating:
             entries = []
             for slot in generating:
                 entries.append((slot, slot.job.next_token, True))
@@ -203,7 +213,42 @@ class Engine:
             self._decode(entries)
         self.report_slots()
 
-    def _decode(self, entries: list[tuple[Slot, int, bool]]) -> None:
+    # Verification decodes at most this many tokens at once: llama.cpp's CPU
+    # kernels for up to 4 tokens give the same logits as decoding one by one,
+    # so greedy output with a draft is token for token the output without.
+    VERIFY_GROUP = 4
+
+    def _speculate(self, slot: Slot) -> None:
+        """Draft, then verify the next token and the drafts with the target."""
+        job = slot.job
+        room = min(job.params.max_tokens - job.n_generated, self.n_ctx_slot - len(slot.cache) - 2) - 1
+        drafts = self.speculator.propose(slot, slot.cache + [job.next_token], room)
+        job.n_drafted += len(drafts)
+        tokens = [job.next_token, *drafts]
+        job.next_token = None
+        i = 0
+        while i < len(tokens):
+            group = tokens[i:i + self.VERIFY_GROUP]
+            first_pos = len(slot.cache)
+            if not self._decode([(slot, t, True) for t in group], handle_logits=False):
+                return
+            for j in range(len(group)):
+                token = self._on_logits(slot, j)
+                if slot.job is None:
+                    return  # finished (stop, length, end of generation)
+                following = i + j + 1
+                if following < len(tokens) and token == tokens[following]:
+                    job.n_accepted += 1
+                    job.next_token = None  # the draft already holds it: decoded in this group or the next
+                    continue
+                rejected_from = first_pos + j + 1
+                if rejected_from < len(slot.cache):
+                    llama.llama_memory_seq_rm(self.memory, slot.id, rejected_from, -1)
+                    del slot.cache[rejected_from:]
+                return
+            i += len(group)
+
+    def _decode(self, entries: list[tuple[Slot, int, bool]], handle_logits: bool = True) -> bool:
         """Decode (slot, token, wants logits) entries as one batch and handle the logits."""
         batch = self.batch
         outputs: list[tuple[Slot, int]] = []
@@ -220,9 +265,11 @@ class Engine:
         rc = llama.llama_decode(self.ctx, batch)
         if rc != 0:
             self._decode_failed(rc, {slot for slot, _, _ in entries})
-            return
-        for slot, index in outputs:
-            self._on_logits(slot, index)
+            return False
+        if handle_logits:
+            for slot, index in outputs:
+                self._on_logits(slot, index)
+        return True
 
     def _decode_failed(self, rc: int, slots: set[Slot]) -> None:
         # The batch failed: the slots in it lose their cache and their request.
@@ -232,7 +279,8 @@ class Engine:
             if slot.job is not None:
                 self._finish(slot, "error", error=f"llama_decode failed ({rc})", code="decode_failed")
 
-    def _on_logits(self, slot: Slot, index: int) -> None:
+    def _on_logits(self, slot: Slot, index: int) -> int | None:
+        """Sample at batch index, send the text; the token, or None if the request finished."""
         job = slot.job
         if slot.state is SlotState.PROCESSING_PROMPT:
             slot.move(SlotState.GENERATING)
@@ -246,7 +294,7 @@ class Engine:
         if end and not job.params.ignore_eos:
             job.n_generated -= 1  # the end-of-generation token is not part of the answer
             self._finish(slot, "stop")
-            return
+            return None
         text = job.stops.feed(job.utf8.feed(self.token_bytes(token)))
         if text or job.n_generated == 1:
             first = job.n_generated == 1
@@ -267,6 +315,8 @@ class Engine:
             self._finish(slot, "length")  # the slot's context is full
         else:
             job.next_token = token
+            return token
+        return None
 
     def _finish(self, slot: Slot, reason: str, error: str | None = None, code: str | None = None) -> None:
         job = slot.job
@@ -287,6 +337,8 @@ class Engine:
                 error_code=code,
                 prompt_seconds=first - job.started,
                 generation_seconds=now - first,
+                drafted_tokens=job.n_drafted,
+                accepted_tokens=job.n_accepted,
             )
         )
         job.sampler.free()
@@ -317,3 +369,5 @@ class Engine:
             self.emit(p.Done(msg.request_id, "cancelled"))
         self.queue.clear()
         llama.llama_batch_free(self.batch)
+        if self.speculator is not None:
+            self.speculator.close()

@@ -25,6 +25,8 @@ class Job:
     n_prompt_done: int = 0  # prompt tokens already in the KV cache
     n_cached: int = 0  # of those, reused from the previous request
     n_generated: int = 0
+    n_drafted: int = 0  # tokens the draft model proposed
+    n_accepted: int = 0  # of those, tokens the target agreed with
     next_token: int | None = None  # sampled, not yet decoded
     started: float = field(default_factory=time.perf_counter)
     first_token_at: float | None = None

@@ -144,3 +144,27 @@ def test_disconnect_frees_the_slot(daemon):
         time.sleep(0.02)
     assert all(s["state"] == "idle" for s in daemon.http.get("/slots").json())
     assert daemon.props()["requests_in_flight"] == 0
+
+
+def test_logit_bias_forces_a_token_and_penalties_change_repetition(client):
+    one = client.completions.create(model="x", prompt="Hello", max_tokens=1, temperature=0,
+                                    logit_bias={"1000": 100}).choices[0].text
+    four = client.completions.create(model="x", prompt="Hello", max_tokens=4, temperature=0,
+                                     logit_bias={"1000": 100}).choices[0].text
+    assert one and four == one * 4
+    prompt = "yes yes yes yes yes yes yes yes"
+    plain = client.completions.create(model="x", prompt=prompt, max_tokens=8, temperature=0).choices[0].text
+    penalised = client.completions.create(model="x", prompt=prompt, max_tokens=8, temperature=0,
+                                          extra_body={"repeat_penalty": 1.8}, frequency_penalty=1.5).choices[0].text
+    assert plain.count("yes") > penalised.count("yes")
+
+
+def test_non_streamed_disconnect_frees_the_slot(daemon):
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(daemon.url + "/v1/completions", timeout=httpx.Timeout(60, read=0.5),
+                   json={"prompt": "Write a very long essay", "max_tokens": 400, "ignore_eos": True})
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and daemon.props()["requests_in_flight"]:
+        time.sleep(0.02)
+    assert daemon.props()["requests_in_flight"] == 0
+    assert all(s["state"] == "idle" for s in daemon.http.get("/slots").json())

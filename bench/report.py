@@ -1,0 +1,105 @@
+"""Run every benchmark and write docs/BENCHMARKS.md with the tables and two
+plots (resume latency by phase, throughput by stream count).
+
+    make bench        (or: .venv/bin/python -m bench.report)
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+
+from bench import idle_cpu, resume, throughput
+from bench.common import ROOT
+
+DOCS = ROOT / "docs"
+
+
+def plot(resume_data: dict, throughput_data: dict) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 3.2))
+    labels = ["llama-cpp-python\nbare load + 1st token", "dormouse\nno spawn-ahead", "dormouse\nspawn-ahead"]
+    phases = ["spawn", "backend", "model", "context"]
+    bars = {"spawn-ahead": resume_data["with_spare"], "no spawn-ahead": resume_data["without"]}
+    left = [0.0, 0.0, 0.0]
+    ax.barh(labels[0], resume_data["bare_first_token"], color="#999999", label="bare llama-cpp-python")
+    colors = {"spawn": "#4c72b0", "backend": "#dd8452", "model": "#55a868", "context": "#c44e52", "first token": "#8172b2"}
+    for i, key in ((1, "no spawn-ahead"), (2, "spawn-ahead")):
+        data = bars[key]
+        for phase in phases:
+            width = data["phases"].get(phase, 0.0)
+            ax.barh(labels[i], width, left=left[i], color=colors[phase], label=phase if i == 1 else None)
+            left[i] += width
+        ax.barh(labels[i], max(0.0, data["resume"] - left[i]), left=left[i], color=colors["first token"],
+                label="first token + HTTP" if i == 1 else None)
+    ax.set_xlabel("seconds from request (asleep) to first streamed token")
+    ax.legend(fontsize=7, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(DOCS / "resume_phases.png", dpi=120)
+
+    fig, ax = plt.subplots(figsize=(5, 3.2))
+    streams = [int(k) for k in throughput_data["aggregate"]]
+    values = list(throughput_data["aggregate"].values())
+    ax.plot(streams, values, marker="o", label="dormouse aggregate")
+    ax.axhline(throughput_data["llama_rate"], color="#999999", linestyle="--", label="llama-cpp-python, 1 stream")
+    ax.set_xlabel("concurrent streams")
+    ax.set_ylabel("tokens/s")
+    ax.set_xticks(streams)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(DOCS / "throughput.png", dpi=120)
+
+
+def main() -> None:
+    resume_text, resume_data = resume.run()
+    throughput_text, throughput_data = throughput.run()
+    idle_text, _ = idle_cpu.run()
+    plot(resume_data, throughput_data)
+    machine = f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}"
+    doc = f"""# Benchmarks
+
+Measured {datetime.date.today()} on {machine}, no GPU, bundled Gemma 3 270M
+Q4_K_M, 2 threads. Each table puts Dormouse beside a baseline measured in the
+same run (llama-cpp-python 0.3.36 on the same model and threads); machines
+here are noisy, so read the ratios. Regenerate everything with `make bench`
+(`.venv/bin/python -m bench.report`); each part alone with the command above it.
+
+## Resume latency and memory
+
+`.venv/bin/python -m bench.resume`
+
+```
+{resume_text}
+```
+
+![resume latency by phase](resume_phases.png)
+
+## Throughput
+
+`.venv/bin/python -m bench.throughput`
+
+```
+{throughput_text}
+```
+
+![throughput by stream count](throughput.png)
+
+## CPU while asleep
+
+`.venv/bin/python -m bench.idle_cpu`
+
+```
+{idle_text}
+```
+"""
+    (DOCS / "BENCHMARKS.md").write_text(doc)
+    print(doc)
+
+
+if __name__ == "__main__":
+    main()
