@@ -127,3 +127,11 @@ def start_daemon(tmp_path, bundled_model):
     yield start
     for d in started:
         d.stop()
+
+
+@pytest.fixture(scope="session")
+def projector(tmp_path_factory) -> str:
+    """The tiny test projector (tests/fixtures/projector.py)."""
+    from tests.fixtures.projector import write_projector
+
+    return str(write_projector(tmp_path_factory.mktemp("mmproj") / "tiny-mmproj.gguf"))

@@ -58,6 +58,11 @@ class Engine:
             self.speculator = Speculator(runtime.draft_ctx, runtime.draft_model, spec.parallel, spec.batch_size,
                                          spec.draft_max, spec.draft_min, spec.draft_p_min)
         self.end_of_turn = self._single_tokens(END_OF_TURN_MARKERS)
+        self.media = None
+        if runtime.mmproj is not None:
+            from daemon.worker.multimodal import MediaPrompts
+
+            self.media = MediaPrompts(runtime.mmproj)
 
     # -- requests in --------------------------------------------------------
 
@@ -111,23 +116,34 @@ class Engine:
     def token_text(self, token: int) -> str:
         return self.token_bytes(token, special=True).decode("utf-8", errors="replace") if token >= 0 else ""
 
+    def chat_prompt(self, msg: p.Submit) -> tuple[str, list[bytes]]:
+        """The rendered chat prompt, and the images in the order their markers appear."""
+        messages, images = [], []
+        for m in msg.messages:
+            if isinstance(m.content, str):
+                content = m.content
+            else:
+                content = ""
+                for part in m.content:
+                    if part.type == "image":
+                        if self.media is None:
+                            raise RequestError("the request has an image but no multimodal projector is loaded (start with --mmproj)")
+                        images.append(part.image or b"")
+                        content += self.media.marker
+                    else:
+                        content += part.text or ""
+            messages.append({"role": m.role, "content": content})
+        try:
+            text = self.chat.render(messages)
+        except ChatTemplateError as exc:
+            raise RequestError(str(exc)) from exc
+        if self.add_bos and self.chat.bos_token and text.startswith(self.chat.bos_token):
+            text = text[len(self.chat.bos_token) :]  # the tokenizer adds BOS itself
+        return text, images
+
     def prompt_tokens(self, msg: p.Submit) -> list[int]:
         if msg.messages is not None:
-            messages = []
-            for m in msg.messages:
-                if not isinstance(m.content, str):
-                    if any(part.type == "image" for part in m.content):
-                        raise RequestError("this model has no multimodal projector loaded (start with --mmproj)")
-                    content = "".join(part.text or "" for part in m.content)
-                else:
-                    content = m.content
-                messages.append({"role": m.role, "content": content})
-            try:
-                text = self.chat.render(messages)
-            except ChatTemplateError as exc:
-                raise RequestError(str(exc)) from exc
-            if self.add_bos and self.chat.bos_token and text.startswith(self.chat.bos_token):
-                text = text[len(self.chat.bos_token) :]  # the tokenizer adds BOS itself
+            text, _ = self.chat_prompt(msg)
             return self.tokenize(text, add_special=True)
         if isinstance(msg.prompt, list):
             bad = [t for t in msg.prompt if not 0 <= t < self.n_vocab]
@@ -146,6 +162,11 @@ class Engine:
                 return
             msg = self.queue.popleft()
             try:
+                if msg.messages is not None and self.media is not None:
+                    text, images = self.chat_prompt(msg)
+                    if images:
+                        self._assign_media(idle[0], msg, text, images)
+                        continue
                 tokens = self.prompt_tokens(msg)
                 if not tokens:
                     raise RequestError("prompt is empty")
@@ -162,6 +183,32 @@ class Engine:
             self._assign(slot, msg, tokens, sampler)
             if msg.messages is not None:
                 slot.job.end_tokens = self.end_of_turn
+
+    def _assign_media(self, slot: Slot, msg: p.Submit, text: str, images: list[bytes]) -> None:
+        """A prompt with images is decoded at once through mtmd; its image
+        positions hold no token ids, so the cache records placeholders that no
+        later prompt can match."""
+        from daemon.worker.multimodal import MediaError
+
+        llama.llama_memory_seq_rm(self.memory, slot.id, -1, -1)
+        slot.cache.clear()
+        if self.speculator is not None:
+            self.speculator.forget(slot)
+        try:
+            n_pos, n_tokens = self.media.evaluate(self.ctx, text, images, slot.id, self.n_batch, self.n_ctx_slot)
+            sampler = SamplerChain(msg.params, self.n_vocab)
+        except (MediaError, RequestError) as exc:
+            llama.llama_memory_seq_rm(self.memory, slot.id, -1, -1)
+            code = "context_length_exceeded" if "positions" in str(exc) else "invalid_request"
+            self.emit(p.Done(msg.request_id, "error", error=str(exc), error_code=code))
+            return
+        slot.cache.extend([-1] * n_pos)
+        slot.job = Job(msg.request_id, [-1] * n_tokens, msg.params, sampler, n_prompt_done=n_tokens)
+        slot.job.end_tokens = self.end_of_turn
+        slot.move(SlotState.STARTED)
+        slot.move(SlotState.PROCESSING_PROMPT)
+        self._slots_changed = True
+        self._on_logits(slot, -1)  # mtmd left the last position's logits
 
     def _assign(self, slot: Slot, msg: p.Submit, tokens: list[int], sampler: SamplerChain) -> None:
         reuse = slot.common_prefix(tokens)

@@ -45,21 +45,21 @@ def test_greedy_output_is_identical_with_and_without_draft(start_daemon, bundled
     assert {"draft_model", "draft_context"} <= phases
 
 
-def test_sleep_report_lists_six_steps_with_draft_loaded(start_daemon, bundled_model):
-    d = start_daemon("--sleep-idle-seconds", "-1", "--model-draft", bundled_model)
+def test_sleep_report_lists_six_steps_with_draft_and_projector(start_daemon, bundled_model, projector):
+    d = start_daemon("--sleep-idle-seconds", "-1", "--model-draft", bundled_model, "--mmproj", projector)
     d.wait_state("ready")
     body = d.http.post("/sleep").json()
     steps = body["last_sleep"]["phases"]
     assert [s["name"] for s in steps] == ["draft_context", "draft_model", "context", "model", "mmproj", "backend"]
     by_name = {s["name"]: s for s in steps}
-    for name in ("draft_context", "draft_model", "context", "model"):
+    for name in ("draft_context", "draft_model", "context", "model", "mmproj"):
         assert not by_name[name]["skipped"] and by_name[name]["freed_bytes"] > 0 and by_name[name]["seconds"] >= 0
-    assert by_name["mmproj"]["skipped"] is True
+    assert not by_name["backend"]["skipped"]
     assert body["last_sleep"]["memory_returned"]["process_gone"] is True
 
 
-def test_twenty_sleep_wake_cycles_keep_daemon_rss_and_fds_flat(start_daemon, bundled_model):
-    d = start_daemon("--sleep-idle-seconds", "-1", "--model-draft", bundled_model)
+def test_twenty_sleep_wake_cycles_keep_daemon_rss_and_fds_flat(start_daemon, bundled_model, projector):
+    d = start_daemon("--sleep-idle-seconds", "-1", "--model-draft", bundled_model, "--mmproj", projector)
     d.wait_state("ready")
     daemon = psutil.Process(d.pid)
     samples = []

@@ -1,0 +1,60 @@
+"""Images in prompts, through llama.cpp's mtmd and the loaded projector.
+
+The chat template puts mtmd's media marker where each image goes; mtmd splits
+the prompt into text and image chunks, encodes the images with the projector
+and decodes everything into the slot's sequence.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+from daemon.worker.llama_lib import llama, mtmd
+
+
+class MediaError(ValueError):
+    pass
+
+
+class MediaPrompts:
+    def __init__(self, mmproj: ctypes.c_void_p) -> None:
+        self.lib = mtmd()
+        self.ctx = mmproj
+        self.marker = self.lib.mtmd_default_marker().decode()
+
+    def evaluate(self, lctx: ctypes.c_void_p, text: str, images: list[bytes], seq_id: int, n_batch: int,
+                 n_ctx_slot: int) -> tuple[int, int]:
+        """Decode text+images into sequence `seq_id` from position 0, logits for the
+        last position. Returns (positions used, prompt tokens)."""
+        lib = self.lib
+        bitmaps = []
+        chunks = lib.mtmd_input_chunks_init()
+        try:
+            for i, data in enumerate(images):
+                buf = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
+                bitmap = lib.mtmd_helper_bitmap_init_from_buf(self.ctx, buf, len(data), False)
+                if not bitmap:
+                    raise MediaError(f"image {i + 1} cannot be decoded (PNG, JPEG, BMP, GIF are supported)")
+                bitmaps.append(bitmap)
+            prompt = lib.mtmd_input_text()
+            encoded = text.encode("utf-8")
+            prompt.text = encoded
+            prompt.text_len = len(encoded)
+            prompt.add_special = True
+            prompt.parse_special = True
+            array = (lib.mtmd_bitmap_p_ctypes * len(bitmaps))(*bitmaps)
+            rc = lib.mtmd_tokenize(self.ctx, chunks, ctypes.byref(prompt), array, len(bitmaps))
+            if rc != 0:
+                raise MediaError(f"the prompt and its images do not match (mtmd_tokenize returned {rc})")
+            n_pos = lib.mtmd_helper_get_n_pos(chunks)
+            if n_pos >= n_ctx_slot:
+                raise MediaError(f"prompt with images needs {n_pos} positions; a slot holds {n_ctx_slot}")
+            new_n_past = llama.llama_pos(0)
+            rc = lib.mtmd_helper_eval_chunks(self.ctx, lctx, chunks, 0, seq_id, n_batch, True, ctypes.byref(new_n_past))
+            if rc != 0:
+                raise MediaError(f"encoding the prompt with its images failed ({rc})")
+            return new_n_past.value, lib.mtmd_helper_get_n_tokens(chunks)
+        finally:
+            lib.mtmd_input_chunks_free(chunks)
+            for bitmap in bitmaps:
+                lib.mtmd_bitmap_free(bitmap)
