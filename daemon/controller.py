@@ -308,6 +308,8 @@ class Controller:
             "clean": report is not None,
             "phases": phases,
             "worker_rss_before": report.rss_before if report else None,
+            "devices_before": report.devices_before if report else [],
+            "devices_after_teardown": report.devices_after if report else [],
             "memory_returned": await self._check_memory_returned(result.pid),
         }
         self.metrics.sleep_seconds.observe(total)

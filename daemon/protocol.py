@@ -159,6 +159,8 @@ class SleepReport(Message):
     phases: list[Phase]
     rss_before: int = 0
     rss_after: int = 0
+    devices_before: list[dict[str, Any]] = []  # ggml device free/total before the teardown
+    devices_after: list[dict[str, Any]] = []  # ... and before llama_backend_free
 
 
 class Error(Message):

@@ -32,6 +32,7 @@ def main(argv: list[str] | None = None) -> int:
 
     channel = Channel(socket.socket(fileno=args.fd))
     from daemon.worker.llama_lib import llama  # noqa: F401  (the libraries, no device yet)
+    from daemon.worker.devices import device_memory
     from daemon.worker.engine import Engine
     from daemon.worker.memory import rss_bytes
     from daemon.worker.runtime import Runtime
@@ -59,7 +60,8 @@ def main(argv: list[str] | None = None) -> int:
             n_ctx=spec.ctx_size,
             n_ctx_slot=engine.n_ctx_slot,
             phases=runtime.phases,
-            model_info={**runtime.describe(), "memory_by_device": runtime.ledger.by_device()},
+            model_info={**runtime.describe(), "memory_by_device": runtime.ledger.by_device(),
+                        "devices": device_memory()},
             memory=runtime.ledger.by_component(),
         )
     )
@@ -67,7 +69,8 @@ def main(argv: list[str] | None = None) -> int:
     rss_before = rss_bytes()
     engine.close()
     phases = runtime.teardown()
-    channel.send(p.SleepReport(phases, rss_before=rss_before, rss_after=rss_bytes()))
+    channel.send(p.SleepReport(phases, rss_before=rss_before, rss_after=rss_bytes(),
+                               devices_before=runtime.devices_before, devices_after=runtime.devices_after))
     return EXIT_OK
 
 

@@ -42,6 +42,8 @@ class Runtime:
     draft_model: ctypes.c_void_p | None = None
     draft_ctx: ctypes.c_void_p | None = None
     mmproj: ctypes.c_void_p | None = None
+    devices_before: list[dict[str, object]] = field(default_factory=list)
+    devices_after: list[dict[str, object]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.threads = self.spec.threads or os.cpu_count() or 1
@@ -153,8 +155,13 @@ class Runtime:
             "mmproj": lambda: self._free("mmproj", lambda c: mtmd().mtmd_free(c)),
             "backend": self._free_backend,
         }
+        from daemon.worker.devices import device_memory
+
+        self.devices_before = device_memory() if self.backend_up else []
         report = []
         for name in TEARDOWN_ORDER:
+            if name == "backend":
+                self.devices_after = device_memory() if self.backend_up else []
             start = time.perf_counter()
             held = steps[name]()
             freed = self.ledger.forget(name)

@@ -73,3 +73,13 @@ def test_twenty_sleep_wake_cycles_keep_daemon_rss_and_fds_flat(start_daemon, bun
     print(f"\n[20 cycles] daemon rss MiB {rss_a >> 20} -> {rss_b >> 20}, fds {fds_a} -> {fds_b}")
     assert rss_b <= rss_a * 1.05
     assert fds_b <= fds_a * 1.05
+
+
+def test_device_memory_is_probed_through_ggml(start_daemon):
+    d = start_daemon("--sleep-idle-seconds", "-1")
+    d.wait_state("ready")
+    devices = d.props()["model"]["devices"]
+    assert devices and devices[0]["type"] == "cpu" and devices[0]["total"] >= devices[0]["free"] > 0
+    sleep = d.http.post("/sleep").json()["last_sleep"]
+    assert sleep["devices_before"] and sleep["devices_after_teardown"]
+    assert sleep["devices_before"][0]["name"] == devices[0]["name"]
