@@ -22,7 +22,7 @@ def plot(resume_data: dict, throughput_data: dict) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 3.2))
+    fig, ax = plt.subplots(figsize=(8.5, 3.2))
     labels = ["llama-cpp-python\nbare load + 1st token", "dormouse\nno spawn-ahead", "dormouse\nspawn-ahead"]
     phases = ["spawn", "backend", "model", "context"]
     bars = {"spawn-ahead": resume_data["with_spare"], "no spawn-ahead": resume_data["without"]}
@@ -38,7 +38,7 @@ def plot(resume_data: dict, throughput_data: dict) -> None:
         ax.barh(labels[i], max(0.0, data["resume"] - left[i]), left=left[i], color=colors["first token"],
                 label="first token + HTTP" if i == 1 else None)
     ax.set_xlabel("seconds from request (asleep) to first streamed token")
-    ax.legend(fontsize=7, loc="lower right")
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.tight_layout()
     fig.savefig(DOCS / "resume_phases.png", dpi=120)
 

@@ -179,6 +179,9 @@ class Engine:
             except RequestError as exc:
                 self.emit(p.Done(msg.request_id, "error", error=str(exc), error_code=exc.code))
                 continue
+            except Exception as exc:  # noqa: BLE001 - a bug in one request's setup fails that request only
+                self.emit(p.Done(msg.request_id, "error", error=f"internal error: {exc!r}", error_code="internal_error"))
+                continue
             slot = max(idle, key=lambda s: s.common_prefix(tokens))
             self._assign(slot, msg, tokens, sampler)
             if msg.messages is not None:

@@ -28,6 +28,7 @@ class SamplerChain:
         if params.repeat_penalty != 1.0 or params.presence_penalty or params.frequency_penalty:
             add(
                 llama.llama_sampler_init_penalties(
+                    n_vocab,
                     params.repeat_last_n,
                     params.repeat_penalty,
                     params.frequency_penalty,
