@@ -391,9 +391,7 @@ class Engine:
                 accepted_tokens=job.n_accepted,
             )
         )
-        job.sampler.free()
-        if job.next_token is not None:
-            pass  # a sampled token that was never decoded is simply not cached
+        job.sampler.free()  # a sampled token that was never decoded is simply not in the cache
         slot.job = None
         slot.move(SlotState.IDLE)
         self._slots_changed = True
