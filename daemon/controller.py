@@ -125,12 +125,15 @@ class Controller:
         while True:
             event = await self.mailbox.get()
             before = self.state
+            admin_wake_pending = self.machine.wake_pending  # POST /wake during a teardown
             self._cause = event
             commands = self.machine.handle(event)
             if self.state is not before:
                 self._on_state_change(before, event)
             for command in commands:
                 try:
+                    if isinstance(command, StartWorker) and admin_wake_pending:
+                        self._cause = WakeRequested()
                     self._execute(command)
                 except Exception as exc:  # noqa: BLE001 - one bad command must not stop the owner
                     self.log.exception("controller.command_failed", command=type(command).__name__, error=repr(exc))

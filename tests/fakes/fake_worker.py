@@ -8,6 +8,7 @@ Behaviour comes from the environment:
   FAKE_CRASH_AFTER_TOKENS die by SIGKILL after emitting this many tokens in total
   FAKE_TOKEN_SECONDS      time per decode step (default 0.01)
   FAKE_LOAD_COUNTER       file to append a line to on every Load (counts wakes)
+  FAKE_TEARDOWN_SECONDS   time the ordered teardown takes (default 0)
 """
 
 from __future__ import annotations
@@ -62,6 +63,7 @@ def main() -> int:
             if message is None or isinstance(message, p.Sleep):
                 for rid in active:
                     channel.send(p.Done(rid, "cancelled"))
+                time.sleep(env_float("FAKE_TEARDOWN_SECONDS", 0.0))
                 phases = [p.Phase(n, 0.001, 10, skipped=n in ("draft_context", "draft_model", "mmproj"))
                           for n in ("draft_context", "draft_model", "context", "model", "mmproj", "backend")]
                 channel.send(p.SleepReport(phases))

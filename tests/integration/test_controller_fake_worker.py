@@ -233,3 +233,15 @@ async def test_out_of_range_token_ids_are_400_and_the_controller_survives():
         response = await client.post("/v1/completions", json={"prompt": "x", "logit_bias": {"99999999999999999999": 1}})
         assert response.status == 400
         assert (await complete(client)).status == 200
+
+
+async def test_wake_asked_during_teardown_is_recorded_as_admin(monkeypatch):
+    monkeypatch.setenv("FAKE_TEARDOWN_SECONDS", "0.5")
+    async with fake_daemon() as (controller, client):
+        await ready(controller)
+        sleeping = asyncio.create_task(client.post("/sleep"))
+        assert await controller.wait_for(lambda s: s is ServerState.UNLOADING, 5)
+        wake = await client.post("/wake")
+        assert wake.status == 200
+        assert (await sleeping).status == 200
+        assert controller.last_wake["reason"] == "admin"
