@@ -50,12 +50,16 @@ class Runtime:
         self._log_callback = llama.llama_log_callback(self._on_llama_log)
         llama.llama_log_set(self._log_callback, None)
         self._log_tail = ""
+        self._last_level = 2
 
     # -- logging: llama.cpp and ggml write through this, fds 1 and 2 stay ours --
 
     def _on_llama_log(self, level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
         line = text.decode("utf-8", errors="replace")
         self.ledger.observe(line)
+        if level == 5:  # GGML_LOG_LEVEL_CONT continues the previous message (e.g. load progress dots)
+            level = self._last_level
+        self._last_level = level
         if level >= 3 or os.environ.get("DORMOUSE_WORKER_VERBOSE"):  # 3 = warn, 4 = error
             sys.stderr.write(line)
         if level >= 4:
