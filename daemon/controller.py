@@ -23,6 +23,7 @@ from daemon import protocol as p
 from daemon.gpu import Nvml
 from daemon.jobs import Job, JobFailure
 from daemon.metrics import Metrics
+from daemon.reports import phase_seconds, sleep_record, wake_record
 from daemon.supervisor import LoadFailed, Supervisor, Worker
 from statemachine import (
     ArmIdleTimer,
@@ -264,32 +265,14 @@ class Controller:
             self.log.error("load.failed", reason=str(exc))
             self.post(WorkerLoadFailed(str(exc)))
             return
-        total = time.perf_counter() - start
         ready = result.ready
-        phases = [{"name": "spawn", "seconds": result.spawn_seconds, "bytes": 0}]
-        phases += [{"name": ph.name, "seconds": ph.seconds, "bytes": ph.bytes} for ph in ready.phases]
-        self.last_wake = {
-            "reason": reason,
-            "at": time.time(),
-            "seconds": total,
-            "prespawned": result.prespawned,
-            "worker_pid": result.worker.pid,
-            "phases": phases,
-        }
+        self.last_wake = wake_record(result, reason, time.perf_counter() - start)
         self.model_info = ready.model_info
         self.n_ctx_slot = ready.n_ctx_slot
         self.slots = [p.SlotInfo(i, "idle") for i in range(ready.n_slots)]
-        self.metrics.resume_seconds.observe(total)
-        for phase in phases:
-            self.metrics.resume_phase_seconds.labels(phase=phase["name"]).observe(phase["seconds"])
-        self.metrics.memory_bytes.clear()
-        for component, devices in (ready.model_info.get("memory_by_device") or {}).items():
-            for device, size in devices.items():
-                self.metrics.memory_bytes.labels(device=device, component=component).set(size)
-        if reason != "startup":
-            self.metrics.wakes.labels(reason=reason).inc()
-        self.log.info("wake.done", reason=reason, seconds=round(total, 4), prespawned=result.prespawned,
-                      phases={ph["name"]: round(ph["seconds"], 4) for ph in phases}, pid=result.worker.pid)
+        self.metrics.observe_wake(self.last_wake, ready.model_info.get("memory_by_device") or {})
+        self.log.info("wake.done", reason=reason, seconds=round(self.last_wake["seconds"], 4),
+                      prespawned=result.prespawned, phases=phase_seconds(self.last_wake), pid=result.worker.pid)
         self.post(WorkerReady(ready.n_slots, ready.model_info))
 
     async def _stop_worker(self, reason: str) -> None:
@@ -297,34 +280,13 @@ class Controller:
         result = await self.supervisor.stop(timeout=max(self.settings.shutdown_timeout, 10.0))
         if result.aborted_load:
             return  # the start task reports the outcome of that worker
-        total = time.perf_counter() - start
-        report = result.report
-        phases = [
-            {"name": ph.name, "seconds": ph.seconds, "freed_bytes": ph.bytes, "skipped": ph.skipped}
-            for ph in (report.phases if report else [])
-        ]
-        self.last_sleep = {
-            "reason": reason,
-            "at": time.time(),
-            "seconds": total,
-            "worker_pid": result.pid,
-            "clean": report is not None,
-            "phases": phases,
-            "worker_rss_before": report.rss_before if report else None,
-            "devices_before": report.devices_before if report else [],
-            "devices_after_teardown": report.devices_after if report else [],
-            "memory_returned": await self._check_memory_returned(result.pid),
-        }
-        self.metrics.sleep_seconds.observe(total)
-        self.metrics.sleeps.labels(reason=reason).inc()
-        for phase in phases:
-            self.metrics.sleep_phase_seconds.labels(phase=phase["name"]).observe(phase["seconds"])
-            self.metrics.sleep_freed_bytes.labels(phase=phase["name"]).set(phase["freed_bytes"])
-        self.metrics.memory_bytes.clear()
+        seconds = time.perf_counter() - start
+        self.last_sleep = sleep_record(result, reason, seconds, await self._check_memory_returned(result.pid))
+        self.metrics.observe_sleep(self.last_sleep)
         self.slots = []
-        self.log.info("sleep.done", reason=reason, seconds=round(total, 4), clean=report is not None,
-                      phases={ph["name"]: round(ph["seconds"], 5) for ph in phases}, pid=result.pid)
-        self.post(SleepCompleted({"clean": report is not None}))
+        self.log.info("sleep.done", reason=reason, seconds=round(seconds, 4), clean=self.last_sleep["clean"],
+                      phases=phase_seconds(self.last_sleep, 5), pid=result.pid)
+        self.post(SleepCompleted({"clean": self.last_sleep["clean"]}))
 
     def _model_spec(self, warmup: bool) -> p.ModelSpec:
         s = self.settings

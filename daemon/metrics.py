@@ -73,6 +73,25 @@ class Metrics:
         for start in ("cold", "warm"):
             self.ttft_seconds.labels(start=start)
 
+    def observe_wake(self, record: dict, memory_by_device: dict[str, dict[str, int]]) -> None:
+        self.resume_seconds.observe(record["seconds"])
+        for phase in record["phases"]:
+            self.resume_phase_seconds.labels(phase=phase["name"]).observe(phase["seconds"])
+        self.memory_bytes.clear()
+        for component, devices in memory_by_device.items():
+            for device, size in devices.items():
+                self.memory_bytes.labels(device=device, component=component).set(size)
+        if record["reason"] != "startup":  # the first load is not a wake
+            self.wakes.labels(reason=record["reason"]).inc()
+
+    def observe_sleep(self, record: dict) -> None:
+        self.sleep_seconds.observe(record["seconds"])
+        self.sleeps.labels(reason=record["reason"]).inc()
+        for phase in record["phases"]:
+            self.sleep_phase_seconds.labels(phase=phase["name"]).observe(phase["seconds"])
+            self.sleep_freed_bytes.labels(phase=phase["name"]).set(phase["freed_bytes"])
+        self.memory_bytes.clear()
+
     def set_state(self, state: ServerState) -> None:
         for s in ServerState:
             self.state.labels(state=s.value).set(1 if s is state else 0)
