@@ -7,7 +7,7 @@ import json
 import sys
 from typing import Any
 
-from config import ConfigError, Settings, load_settings
+from config import ConfigError, load_settings
 
 # CLI flag -> settings key. Names follow llama-server where both have the option.
 _FLAGS: list[tuple[str, dict[str, Any]]] = [

@@ -58,17 +58,6 @@ from statemachine import (
 )
 from statemachine.states import HEALTHY_STATES
 
-_WAKE_REASONS = {
-    Started: "startup",
-    RequestArrived: "request",
-    WakeRequested: "admin",
-    RetryTimerFired: "retry",
-    SleepCompleted: "request",  # requests arrived during the teardown
-    WorkerExited: "request",
-}
-_SLEEP_REASONS = {IdleTimerFired: "idle", SleepRequested: "admin", StopRequested: "shutdown"}
-
-
 class Controller:
     def __init__(self, settings: Settings, model_path: str, metrics: Metrics, log) -> None:
         self.settings = settings
@@ -103,7 +92,6 @@ class Controller:
         self._retry_timer: asyncio.TimerHandle | None = None
         self._state_changed = asyncio.Event()
         self._tasks: set[asyncio.Task] = set()
-        self._cause: Event | None = None
         metrics.idle_timeout_seconds.set(settings.sleep_idle_seconds)
         metrics.set_state(self.state)
 
@@ -126,15 +114,11 @@ class Controller:
         while True:
             event = await self.mailbox.get()
             before = self.state
-            admin_wake_pending = self.machine.wake_pending  # POST /wake during a teardown
-            self._cause = event
             commands = self.machine.handle(event)
             if self.state is not before:
                 self._on_state_change(before, event)
             for command in commands:
                 try:
-                    if isinstance(command, StartWorker) and admin_wake_pending:
-                        self._cause = WakeRequested()
                     self._execute(command)
                 except Exception as exc:  # noqa: BLE001 - one bad command must not stop the owner
                     self.log.exception("controller.command_failed", command=type(command).__name__, error=repr(exc))
@@ -201,10 +185,9 @@ class Controller:
 
     def _execute(self, command: Command) -> None:
         if isinstance(command, StartWorker):
-            self._spawn(self._start_worker(_WAKE_REASONS.get(type(self._cause), "request")))
+            self._spawn(self._start_worker(command.reason))
         elif isinstance(command, StopWorker):
-            stopping = self.state is ServerState.STOPPING
-            self._spawn(self._stop_worker("shutdown" if stopping else _SLEEP_REASONS.get(type(self._cause), "idle")))
+            self._spawn(self._stop_worker(command.reason))
         elif isinstance(command, Dispatch):
             for request_id in command.request_ids:
                 job = self.jobs[request_id]

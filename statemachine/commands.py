@@ -12,10 +12,14 @@ class Command:
 class StartWorker(Command):
     """Take the pre-spawned worker (or spawn one) and load the model."""
 
+    reason: str = "request"  # startup, request, admin, retry
+
 
 @dataclass(frozen=True)
 class StopWorker(Command):
     """Ask the worker to tear down in order and exit."""
+
+    reason: str = "idle"  # idle, admin, shutdown
 
 
 @dataclass(frozen=True)

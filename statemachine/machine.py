@@ -107,18 +107,18 @@ class ServerMachine:
         self.idle_generation += 1
         return [DisarmIdleTimer()]
 
-    def _start_worker(self, state: S) -> list[Command]:
+    def _start_worker(self, state: S, reason: str) -> list[Command]:
         self.state = state
         self.worker_up = True
         self.stop_sent = False
         self.wake_pending = False
-        return [StartWorker()]
+        return [StartWorker(reason)]
 
-    def _stop_worker(self) -> list[Command]:
+    def _stop_worker(self, reason: str) -> list[Command]:
         if not self.worker_up or self.stop_sent:
             return []
         self.stop_sent = True
-        return [StopWorker()]
+        return [StopWorker(reason)]
 
     def _take_waiting(self) -> tuple[str, ...]:
         ids = tuple(self.waiting)
@@ -131,7 +131,7 @@ class ServerMachine:
         return []
 
     def _begin_first_load(self, event: Started) -> list[Command]:
-        return self._start_worker(S.LOADING)
+        return self._start_worker(S.LOADING, "startup")
 
     def _worker_ready(self, event: WorkerReady) -> list[Command]:
         self.state = S.READY
@@ -174,7 +174,7 @@ class ServerMachine:
     def _unloaded(self, event: SleepCompleted | WorkerExited) -> list[Command]:
         self.worker_up = False
         if self.waiting or self.wake_pending:
-            return self._start_worker(S.WAKING)
+            return self._start_worker(S.WAKING, "admin" if self.wake_pending else "request")
         self.state = S.SLEEPING
         return []
 
@@ -182,12 +182,12 @@ class ServerMachine:
         if event.generation != self.idle_generation or self.busy:
             return []  # stale: a request came in after the timer was armed
         self.state = S.UNLOADING
-        return self._stop_worker()
+        return self._stop_worker("idle")
 
     def _retry_fired(self, event: RetryTimerFired) -> list[Command]:
         if event.generation != self.retry_generation:
             return []
-        return self._start_worker(S.LOADING)
+        return self._start_worker(S.LOADING, "retry")
 
     def _request_arrived(self, event: RequestArrived) -> list[Command]:
         rid = event.request_id
@@ -204,13 +204,13 @@ class ServerMachine:
             return self._disarm_idle() + [Dispatch((rid,))]
         self.waiting.append(rid)
         if self.state is S.SLEEPING:
-            return self._start_worker(S.WAKING)
+            return self._start_worker(S.WAKING, "request")
         return []  # STARTING, LOADING, WAKING, UNLOADING: the load under way (or next) serves it
 
     def _request_finished(self, event: RequestFinished) -> list[Command]:
         self.in_flight.discard(event.request_id)
         if self.state is S.STOPPING:
-            return [] if self.in_flight else self._stop_worker()
+            return [] if self.in_flight else self._stop_worker("shutdown")
         return self._arm_idle_if_quiet()
 
     def _request_abandoned(self, event: RequestAbandoned) -> list[Command]:
@@ -228,7 +228,7 @@ class ServerMachine:
             if self.busy:
                 return [Reply(t, False, f"busy: {len(self.in_flight)} requests in flight")]
             self.state = S.UNLOADING
-            return self._disarm_idle() + self._stop_worker() + [Reply(t, True, "going to sleep")]
+            return self._disarm_idle() + self._stop_worker("admin") + [Reply(t, True, "going to sleep")]
         if self.state in (S.SLEEPING, S.UNLOADING):
             return [Reply(t, True, "already asleep")]
         return [Reply(t, False, f"cannot sleep while {self.state}")]
@@ -236,10 +236,10 @@ class ServerMachine:
     def _wake_requested(self, event: WakeRequested) -> list[Command]:
         t = event.ticket
         if self.state is S.SLEEPING:
-            return self._start_worker(S.WAKING) + [Reply(t, True, "waking")]
+            return self._start_worker(S.WAKING, "admin") + [Reply(t, True, "waking")]
         if self.state is S.FAILED:
             self.retry_generation += 1  # the pending retry timer is now stale
-            return self._start_worker(S.LOADING) + [Reply(t, True, "retrying the load")]
+            return self._start_worker(S.LOADING, "admin") + [Reply(t, True, "retrying the load")]
         if self.state is S.UNLOADING:
             self.wake_pending = True
             return [Reply(t, True, "will wake once unloaded")]
@@ -264,7 +264,7 @@ class ServerMachine:
             return commands + [Exit()]
         if previous is S.UNLOADING or self.in_flight:
             return commands  # finish the teardown / let in-flight requests drain
-        return commands + self._stop_worker()
+        return commands + self._stop_worker("shutdown")
 
     def _worker_gone_while_stopping(self, event: SleepCompleted | WorkerExited | WorkerLoadFailed) -> list[Command]:
         self.worker_up = False
@@ -276,7 +276,7 @@ class ServerMachine:
         return commands + [Exit()]
 
     def _ready_while_stopping(self, event: WorkerReady) -> list[Command]:
-        return self._stop_worker()
+        return self._stop_worker("shutdown")
 
 
 Row = Callable[[ServerMachine, Event], list[Command]]

@@ -3,12 +3,9 @@ random weights shaped for the bundled model, so these tests check the path
 (decode, encode, generate, tear down), not what the model says about images."""
 
 import base64
-import subprocess
-import sys
 
 import pytest
 
-from tests.conftest import ROOT
 from tests.fixtures.projector import png_bytes, write_projector
 
 pytestmark = pytest.mark.e2e

@@ -2,7 +2,6 @@
 reload on SIGHUP, graceful SIGTERM, metrics that promtool accepts, JSON logs."""
 
 import json
-import os
 import shutil
 import signal
 import socket
@@ -15,7 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.conftest import ROOT, DaemonProcess, free_port
+from tests.conftest import ROOT, DaemonProcess
 
 pytestmark = pytest.mark.e2e
 

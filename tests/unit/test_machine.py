@@ -264,3 +264,20 @@ def test_policy_change_rearms_idle_timer_with_new_timeout():
     m = machine_in(S.READY)
     commands = m.handle(PolicyChanged(Policy(idle_seconds=42)))
     assert commands[-1] == ArmIdleTimer(42, m.idle_generation)
+
+
+def test_start_and_stop_commands_carry_their_reason():
+    m = ServerMachine(Policy(idle_seconds=5))
+    assert m.handle(Started()) == [StartWorker("startup")]
+    m.handle(WorkerReady(2))
+    assert m.handle(IdleTimerFired(m.idle_generation)) == [StopWorker("idle")]
+    m.handle(WakeRequested(1))  # asked during the teardown
+    assert m.handle(SleepCompleted()) == [StartWorker("admin")]
+    m.handle(WorkerReady(2))
+    assert StopWorker("admin") in m.handle(SleepRequested(2))
+    m.handle(SleepCompleted())
+    assert m.handle(RequestArrived("a")) == [StartWorker("request")]
+    m.handle(WorkerLoadFailed("x"))
+    assert m.handle(RetryTimerFired(m.retry_generation)) == [StartWorker("retry")]
+    m.handle(WorkerReady(2))
+    assert StopWorker("shutdown") in m.handle(StopRequested())
