@@ -5,12 +5,16 @@ same on CPU-only machines."""
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 
 
 class Nvml:
     def __init__(self) -> None:
         self.available = False
+        self._handles = []
+        if not os.path.exists("/dev/nvidiactl"):
+            return  # no NVIDIA driver: skip importing pynvml (3 MiB the daemon would carry while asleep)
         try:
             import pynvml
 
