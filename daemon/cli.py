@@ -1,9 +1,11 @@
-"""The `dormouse` command: `serve` and `check-config`."""
+"""The `dormouse` command: `serve`, `check-config`, and `status`, `sleep`,
+`wake` for a running daemon."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from typing import Any
 
@@ -40,6 +42,13 @@ _FLAGS: list[tuple[str, dict[str, Any]]] = [
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dormouse", description="A GGUF model server that sleeps when idle.")
     commands = parser.add_subparsers(dest="command", required=True)
+    for name, help_text in (("status", "print the running daemon's state (never wakes it)"),
+                            ("sleep", "put the running daemon to sleep now"),
+                            ("wake", "wake the running daemon and wait until it is ready")):
+        sub = commands.add_parser(name, help=help_text)
+        sub.add_argument("--url", default="http://127.0.0.1:8080", help="the daemon (default http://127.0.0.1:8080)")
+        sub.add_argument("--admin-key", default=os.environ.get("DORMOUSE_ADMIN_KEY"),
+                         help="admin key, if one is set (also DORMOUSE_ADMIN_KEY)")
     for name, help_text in (("serve", "run the daemon"), ("check-config", "print the effective settings and exit")):
         sub = commands.add_parser(name, help=help_text, argument_default=argparse.SUPPRESS)
         sub.add_argument("--config", help="TOML settings file (also DORMOUSE_CONFIG)")
@@ -52,9 +61,38 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _remote(command: str, url: str, admin_key: str | None) -> int:
+    """status / sleep / wake against a running daemon, with the standard library only."""
+    import urllib.error
+    import urllib.request
+
+    path, method = {"status": ("/props", "GET"), "sleep": ("/sleep", "POST"), "wake": ("/wake", "POST")}[command]
+    request = urllib.request.Request(url.rstrip("/") + path, method=method, data=b"" if method == "POST" else None)
+    if admin_key:
+        request.add_header("Authorization", f"Bearer {admin_key}")
+    try:
+        with urllib.request.urlopen(request, timeout=600) as response:
+            body = json.loads(response.read())
+    except urllib.error.HTTPError as exc:
+        detail = json.loads(exc.read() or b"{}").get("error", {}).get("message", exc.reason)
+        print(f"dormouse: {command} refused ({exc.code}): {detail}", file=sys.stderr)
+        return 1
+    except (urllib.error.URLError, OSError) as exc:
+        print(f"dormouse: cannot reach {url}: {getattr(exc, 'reason', exc)}", file=sys.stderr)
+        return 1
+    if command == "status":
+        keys = ("state", "is_sleeping", "failure", "sleep_idle_seconds", "idle_timer_remaining",
+                "requests_in_flight", "requests_waiting", "last_wake", "last_sleep")
+        body = {k: body.get(k) for k in keys}
+    print(json.dumps(body, indent=2))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = vars(_parser().parse_args(argv))
     command = args.pop("command")
+    if command in ("status", "sleep", "wake"):
+        return _remote(command, args["url"], args["admin_key"])
     config_file = args.pop("config", None)
     try:
         settings = load_settings(config_file, args)

@@ -245,3 +245,33 @@ async def test_wake_asked_during_teardown_is_recorded_as_admin(monkeypatch):
         assert wake.status == 200
         assert (await sleeping).status == 200
         assert controller.last_wake["reason"] == "admin"
+
+
+def test_cli_status_sleep_wake_against_a_running_daemon(tmp_path):
+    """`dormouse sleep|wake|status` drive a real daemon process (fake worker)."""
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT, DaemonProcess
+
+    d = DaemonProcess("--sleep-idle-seconds", "-1", "--admin-key", "k",
+                      env={"DORMOUSE_WORKER_MODULE": "tests.fakes.fake_worker"}, log_path=tmp_path / "d.log")
+    try:
+        d.wait_state("ready")
+
+        def cli(*args):
+            return subprocess.run([sys.executable, "-m", "daemon", *args, "--url", d.url], cwd=ROOT,
+                                  capture_output=True, text=True, timeout=60)
+
+        refused = cli("sleep")
+        assert refused.returncode == 1 and "401" in refused.stderr
+        assert cli("sleep", "--admin-key", "k").returncode == 0
+        status = cli("status")
+        assert status.returncode == 0 and '"state": "sleeping"' in status.stdout
+        woke = cli("wake", "--admin-key", "k")
+        assert woke.returncode == 0 and '"state": "ready"' in woke.stdout
+    finally:
+        d.stop()
+    unreachable = subprocess.run([sys.executable, "-m", "daemon", "status", "--url", "http://127.0.0.1:9"],
+                                 cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert unreachable.returncode == 1 and "cannot reach" in unreachable.stderr
