@@ -377,7 +377,10 @@ class Controller:
         nothing for the old pid (polled: drivers report late)."""
         if pid is None:
             return {"checked": False}
-        gone = not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+        try:
+            gone = psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            gone = True
         released, seconds = await self.nvml.wait_released(pid)
         self.metrics.memory_reclaim_seconds.set(seconds)
         result = {"process_gone": gone, "gpu_checked": self.nvml.available, "gpu_released": released,

@@ -142,9 +142,7 @@ class Engine:
         return text, images
 
     def prompt_tokens(self, msg: p.Submit) -> list[int]:
-        if msg.messages is not None:
-            text, _ = self.chat_prompt(msg)
-            return self.tokenize(text, add_special=True)
+        """A completion's prompt as token ids (chat prompts go through chat_prompt)."""
         if isinstance(msg.prompt, list):
             bad = [t for t in msg.prompt if not 0 <= t < self.n_vocab]
             if bad:
@@ -162,12 +160,14 @@ class Engine:
                 return
             msg = self.queue.popleft()
             try:
-                if msg.messages is not None and self.media is not None:
+                if msg.messages is not None:
                     text, images = self.chat_prompt(msg)
-                    if images:
+                    if images:  # only possible with a projector: chat_prompt refuses them otherwise
                         self._assign_media(idle[0], msg, text, images)
                         continue
-                tokens = self.prompt_tokens(msg)
+                    tokens = self.tokenize(text, add_special=True)
+                else:
+                    tokens = self.prompt_tokens(msg)
                 if not tokens:
                     raise RequestError("prompt is empty")
                 if len(tokens) >= self.n_ctx_slot:
@@ -202,8 +202,7 @@ class Engine:
             sampler = SamplerChain(msg.params, self.n_vocab)
         except (MediaError, RequestError) as exc:
             llama.llama_memory_seq_rm(self.memory, slot.id, -1, -1)
-            code = "context_length_exceeded" if "positions" in str(exc) else "invalid_request"
-            self.emit(p.Done(msg.request_id, "error", error=str(exc), error_code=code))
+            self.emit(p.Done(msg.request_id, "error", error=str(exc), error_code=exc.code))
             return
         slot.cache.extend([-1] * n_pos)
         slot.job = Job(msg.request_id, [-1] * n_tokens, msg.params, sampler, n_prompt_done=n_tokens)

@@ -13,7 +13,9 @@ from daemon.worker.llama_lib import llama, mtmd
 
 
 class MediaError(ValueError):
-    pass
+    def __init__(self, message: str, code: str = "invalid_request") -> None:
+        super().__init__(message)
+        self.code = code
 
 
 class MediaPrompts:
@@ -48,7 +50,8 @@ class MediaPrompts:
                 raise MediaError(f"the prompt and its images do not match (mtmd_tokenize returned {rc})")
             n_pos = lib.mtmd_helper_get_n_pos(chunks)
             if n_pos >= n_ctx_slot:
-                raise MediaError(f"prompt with images needs {n_pos} positions; a slot holds {n_ctx_slot}")
+                raise MediaError(f"prompt with images needs {n_pos} positions; a slot holds {n_ctx_slot}",
+                                 "context_length_exceeded")
             new_n_past = llama.llama_pos(0)
             rc = lib.mtmd_helper_eval_chunks(self.ctx, lctx, chunks, 0, seq_id, n_batch, True, ctypes.byref(new_n_past))
             if rc != 0:
