@@ -57,6 +57,9 @@ class Settings(BaseSettings):
     load_timeout: float = Field(600, gt=0, description="how long a load may take before it is failed")
     max_queued: int = Field(128, ge=0, description="requests accepted beyond the slots or during a wake")
     retry_max_seconds: float = Field(60, gt=0, description="cap on the backoff between failed loads")
+    early_crash_seconds: float = Field(30, ge=0, description="a worker that crashes this soon after a load counts as a failed load (backoff, then failed)")
+    worker_liveness_timeout: float = Field(60, ge=0, description="a serving worker that answers no ping for this long is killed as hung; 0 turns the check off")
+    teardown_timeout: float = Field(15, gt=0, description="how long an ordered teardown may take before the worker is killed")
 
     # -- access --
     api_key: SecretStr | None = Field(None, description="Bearer key for /v1/*")
@@ -66,7 +69,7 @@ class Settings(BaseSettings):
     # -- operations --
     log_format: Literal["auto", "console", "json"] = "auto"
     log_level: Literal["debug", "info", "warning", "error"] = "info"
-    shutdown_timeout: float = Field(30, ge=0, description="how long SIGTERM lets in-flight requests finish")
+    shutdown_timeout: float = Field(30, ge=0, description="how long SIGTERM lets in-flight requests finish; with teardown_timeout it must fit systemd's TimeoutStopSec")
     state_dir: Path | None = Field(None, description="where the bundled model is written; default $STATE_DIRECTORY or ~/.cache/dormouse")
     worker_module: str = Field("daemon.worker", description="module run as the worker (tests use a fake)")
 
