@@ -6,15 +6,24 @@ commands it returns (start or stop a worker, dispatch or reject requests,
 arm timers). Work that takes time (loading, tearing down) runs in tasks that
 post their outcome back as events, so the owner never blocks and events are
 decided strictly in arrival order.
+
+Two guarantees keep one bad event from hurting everyone: every start or stop
+task ends in exactly one outcome event, whatever it raises (so no transitional
+state is left without a task that will end it), and an event the table has no
+row for is logged, counted and dropped rather than stopping the owner.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import itertools
 import time
 import uuid
-from typing import Any, Callable
+from collections import OrderedDict
+from typing import Any, Awaitable, Callable
+
+import msgspec
 
 import psutil
 
@@ -58,6 +67,14 @@ from statemachine import (
 )
 from statemachine.states import HEALTHY_STATES
 
+# A request that was being served when a worker died this many times is
+# refused rather than allowed to take the model down again.
+POISON_CRASHES = 2
+POISON_MEMORY = 1024  # fingerprints remembered (least recently struck forgotten first)
+# After the shutdown deadline, cancelled requests get this long to finish
+# before the worker is killed (a hung worker never answers a cancel).
+CANCEL_GRACE_SECONDS = 2.0
+
 class Controller:
     def __init__(self, settings: Settings, model_path: str, metrics: Metrics, log) -> None:
         self.settings = settings
@@ -70,9 +87,11 @@ class Controller:
                 parallel=settings.parallel,
                 max_queued=settings.max_queued,
                 retry_max_seconds=settings.retry_max_seconds,
+                early_crash_seconds=settings.early_crash_seconds,
             )
         )
-        self.supervisor = Supervisor(settings.worker_module, self._on_worker_message, self._on_worker_died, log)
+        self.supervisor = Supervisor(settings.worker_module, self._on_worker_message, self._on_worker_died, log,
+                                     liveness_timeout=settings.worker_liveness_timeout)
         self.mailbox: asyncio.Queue[Event] = asyncio.Queue()
         self.jobs: dict[str, Job] = {}
         self.nvml = Nvml()
@@ -85,6 +104,9 @@ class Controller:
         self.last_wake: dict[str, Any] | None = None
         self.last_sleep: dict[str, Any] | None = None
         self.state_since = time.time()
+        self._ready_at: float | None = None  # monotonic time the current worker said Ready
+        self.last_memory_check: dict[str, Any] | None = None  # after the last worker exit, of any kind
+        self._crash_strikes: OrderedDict[bytes, int] = OrderedDict()  # request fingerprint -> crashes it was in
 
         self._tickets = itertools.count(1)
         self._replies: dict[int, asyncio.Future] = {}
@@ -114,7 +136,11 @@ class Controller:
         while True:
             event = await self.mailbox.get()
             before = self.state
-            commands = self.machine.handle(event)
+            try:
+                commands = self.machine.handle(event)
+            except Exception as exc:  # noqa: BLE001 - a missing row is a bug, but never a dead daemon
+                self._drop(event, exc)
+                continue
             if self.state is not before:
                 self._on_state_change(before, event)
             for command in commands:
@@ -133,12 +159,22 @@ class Controller:
         for task in list(self._tasks):
             task.cancel()
         await self.supervisor.close()
+        # Requests that arrived after the decision to exit (still in the mailbox)
+        # are answered too: nothing is left waiting on a daemon that is gone.
+        for request_id in list(self.jobs):
+            self._fail(request_id, JobFailure(503, "shutting_down", "server is shutting down"))
         self.stopped.set()
 
     def new_job(self, endpoint: str, params: p.SamplingParams, prompt=None, messages=None) -> Job:
         request_id = f"{endpoint.split('.')[0][:4]}-{uuid.uuid4().hex[:24]}"
         job = Job(p.Submit(request_id, params, prompt=prompt, messages=messages), endpoint)
         job.cold = self.state is not ServerState.READY
+        if self._crash_strikes.get(_fingerprint(job.submit), 0) >= POISON_CRASHES:
+            self.metrics.poison_refusals.inc()
+            job.put(JobFailure(400, "request_crashed_worker",
+                               f"this request was being served when the worker died {POISON_CRASHES} times; "
+                               "it is refused so that it cannot take the model down again"))
+            return job
         self.jobs[request_id] = job
         self.post(RequestArrived(request_id))
         return job
@@ -169,29 +205,42 @@ class Controller:
         return True
 
     async def shutdown(self, timeout: float) -> None:
-        """Stop taking requests, let in-flight ones finish up to `timeout`, tear down."""
+        """Stop taking requests, let in-flight ones finish up to `timeout`, tear down.
+
+        Bounded whatever the worker does: in-flight requests get `timeout`, then
+        a cancel and CANCEL_GRACE_SECONDS, then the worker is killed; a
+        teardown gets `teardown_timeout`. systemd's TimeoutStopSec must cover
+        the sum (tests/unit/test_shutdown_budget.py checks the unit file)."""
         self.post(StopRequested())
-        try:
-            await asyncio.wait_for(asyncio.shield(self.stopped.wait()), timeout)
+        if await self._stopped_within(timeout):
             return
-        except asyncio.TimeoutError:
-            pass
         self.log.warning("shutdown.deadline", cancelled=len(self.machine.in_flight))
         for request_id in list(self.machine.in_flight):
             self.post(RequestAbandoned(request_id))
+        if await self._stopped_within(CANCEL_GRACE_SECONDS):
+            return
+        self.log.error("shutdown.killing_worker", reason="requests did not finish after their cancel")
+        await self.supervisor.kill_current("the shutdown deadline passed")
         await self.stopped.wait()
+
+    async def _stopped_within(self, seconds: float) -> bool:
+        try:
+            await asyncio.wait_for(asyncio.shield(self.stopped.wait()), seconds)
+            return True
+        except asyncio.TimeoutError:
+            return False
 
     # -- commands -----------------------------------------------------------------
 
     def _execute(self, command: Command) -> None:
         if isinstance(command, StartWorker):
-            self._spawn(self._start_worker(command.reason))
+            self._spawn(self._transition(self._start_worker(command.reason), self._start_crashed))
         elif isinstance(command, StopWorker):
-            self._spawn(self._stop_worker(command.reason))
+            self._spawn(self._transition(self._stop_worker(command.reason), self._stop_crashed))
         elif isinstance(command, Dispatch):
             for request_id in command.request_ids:
                 job = self.jobs[request_id]
-                job.dispatched = True
+                job.mark_dispatched()
                 try:
                     self.supervisor.send(job.submit)
                 except (TypeError, ValueError, OverflowError) as exc:  # validation let through what msgpack refuses
@@ -235,19 +284,43 @@ class Controller:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _start_worker(self, reason: str) -> None:
-        start = time.perf_counter()
-        # A wake that a request triggered skips the warm-up decode: that request's
-        # own prompt pays the same lazy initialisation, so a warm-up would only
-        # delay its first token (measured by bench/resume.py).
-        spec = self._model_spec(warmup=self.settings.warmup and reason != "request")
+    async def _transition(self, work: Awaitable[Event | None], on_crash: Callable[[Exception], Event]) -> None:
+        """Run a start or stop task and post its one outcome. Whatever it raises
+        becomes an outcome too, so LOADING, WAKING and UNLOADING always end."""
         try:
+            event = await work
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - a bug or an OS limit; the state machine must hear of it
+            self.metrics.transition_errors.inc()
+            self.log.exception("controller.transition_failed", error=repr(exc))
+            await self.supervisor.kill_current(f"its start or stop failed: {exc!r}")
+            event = on_crash(exc)
+        if event is not None:
+            self.post(event)
+
+    @staticmethod
+    def _start_crashed(exc: Exception) -> Event:
+        return WorkerLoadFailed(f"internal error while starting the worker: {exc!r}")
+
+    def _stop_crashed(self, exc: Exception) -> Event:
+        self._forget_worker()
+        return SleepCompleted({"clean": False})
+
+    async def _start_worker(self, reason: str) -> Event:
+        start = time.perf_counter()
+        try:
+            # A wake that a request triggered skips the warm-up decode: that request's
+            # own prompt pays the same lazy initialisation, so a warm-up would only
+            # delay its first token (measured by bench/resume.py).
+            spec = self._model_spec(warmup=self.settings.warmup and reason != "request")
             result = await self.supervisor.start(spec, timeout=self.settings.load_timeout)
         except LoadFailed as exc:
             self.metrics.load_failures.inc()
             self.log.error("load.failed", reason=str(exc))
-            self.post(WorkerLoadFailed(str(exc)))
-            return
+            if exc.pid is not None:
+                self._spawn(self._check_memory_returned(exc.pid, "load_failed"))
+            return WorkerLoadFailed(str(exc))
         ready = result.ready
         self.last_wake = wake_record(result, reason, time.perf_counter() - start)
         self.model_info = ready.model_info
@@ -256,24 +329,37 @@ class Controller:
         self.metrics.observe_wake(self.last_wake, ready.model_info.get("memory_by_device") or {})
         self.log.info("wake.done", reason=reason, seconds=round(self.last_wake["seconds"], 4),
                       prespawned=result.prespawned, phases=phase_seconds(self.last_wake), pid=result.worker.pid)
-        self.post(WorkerReady(ready.n_slots, ready.model_info))
+        self._ready_at = time.monotonic()
+        return WorkerReady(ready.n_slots, ready.model_info)
 
-    async def _stop_worker(self, reason: str) -> None:
+    async def _stop_worker(self, reason: str) -> Event | None:
         start = time.perf_counter()
-        result = await self.supervisor.stop(timeout=max(self.settings.shutdown_timeout, 10.0))
-        if result.aborted_load:
-            return  # the start task reports the outcome of that worker
+        result = await self.supervisor.stop(timeout=self.settings.teardown_timeout)
+        if result.aborted_load or result.already_gone:
+            return None  # the start task, or the unexpected-exit report, is that worker's one outcome
         seconds = time.perf_counter() - start
-        self.last_sleep = sleep_record(result, reason, seconds, await self._check_memory_returned(result.pid))
+        self.last_sleep = sleep_record(result, reason, seconds, await self._check_memory_returned(result.pid, "sleep"))
         self.metrics.observe_sleep(self.last_sleep)
-        self.slots = []
+        self._forget_worker()
         self.log.info("sleep.done", reason=reason, seconds=round(seconds, 4), clean=self.last_sleep["clean"],
                       phases=phase_seconds(self.last_sleep, 5), pid=result.pid)
-        self.post(SleepCompleted({"clean": self.last_sleep["clean"]}))
+        return SleepCompleted({"clean": self.last_sleep["clean"]})
+
+    def _forget_worker(self) -> None:
+        """No worker holds the model any more: nothing of its slots or memory is shown."""
+        self._ready_at = None
+        self.slots = []
+        self.metrics.set_slots([])
+        self.metrics.memory_bytes.clear()
 
     def _model_spec(self, warmup: bool) -> p.ModelSpec:
         s = self.settings
-        template = s.chat_template_file.read_text() if s.chat_template_file else None
+        template = None
+        if s.chat_template_file:
+            try:
+                template = s.chat_template_file.read_text()
+            except (OSError, UnicodeDecodeError) as exc:
+                raise LoadFailed(f"chat_template_file {s.chat_template_file} cannot be read: {exc}") from None
         return p.ModelSpec(
             model=self.model_path,
             model_draft=str(s.model_draft) if s.model_draft else None,
@@ -324,9 +410,33 @@ class Controller:
             m.inter_token_seconds.observe(done.generation_seconds / (done.completion_tokens - 1))
 
     def _on_worker_died(self, worker: Worker, reason: str) -> None:
+        uptime = None if self._ready_at is None else time.monotonic() - self._ready_at
         self.metrics.worker_restarts.inc()
-        self.log.error("worker.died", pid=worker.pid, reason=reason)
-        self.post(WorkerExited(reason))
+        self.log.error("worker.died", pid=worker.pid, reason=reason, uptime=uptime)
+        for request_id in self.machine.in_flight:
+            job = self.jobs.get(request_id)
+            if job is not None:
+                self._strike(_fingerprint(job.submit))
+        self._forget_worker()
+        self._spawn(self._check_memory_returned(worker.pid, "crash"))
+        self.post(WorkerExited(reason, uptime))
+
+    def _strike(self, fingerprint: bytes) -> None:
+        self._crash_strikes[fingerprint] = self._crash_strikes.get(fingerprint, 0) + 1
+        self._crash_strikes.move_to_end(fingerprint)
+        while len(self._crash_strikes) > POISON_MEMORY:
+            self._crash_strikes.popitem(last=False)
+
+    def _drop(self, event: Event, exc: Exception) -> None:
+        """An event the table has no row for (a bug): say so loudly, count it,
+        answer whoever waits on it, and keep deciding the next events."""
+        name = type(event).__name__
+        self.metrics.invalid_transitions.labels(state=str(self.state), event=name).inc()
+        self.log.error("controller.invalid_transition", state=str(self.state), event_type=name, error=repr(exc))
+        if isinstance(event, RequestArrived):
+            self._fail(event.request_id, JobFailure(500, "internal_error", f"internal error: {exc}"))
+        elif isinstance(event, (SleepRequested, WakeRequested)):
+            self._execute(Reply(event.ticket, False, f"internal error: {exc}"))
 
     # -- bookkeeping ----------------------------------------------------------------
 
@@ -372,9 +482,10 @@ class Controller:
             for gpu, used in self.nvml.used_by(worker.pid).items():
                 self.metrics.gpu_memory_used_bytes.labels(gpu=str(gpu)).set(used)
 
-    async def _check_memory_returned(self, pid: int | None) -> dict[str, Any]:
-        """After a worker exit: did its memory come back? On GPU, NVML must list
-        nothing for the old pid (polled: drivers report late)."""
+    async def _check_memory_returned(self, pid: int | None, after: str) -> dict[str, Any]:
+        """After a worker exit (a sleep, a crash, a failed or killed load): did its
+        memory come back? On GPU, NVML must list nothing for the old pid (polled:
+        drivers report late)."""
         if pid is None:
             return {"checked": False}
         try:
@@ -385,8 +496,11 @@ class Controller:
         self.metrics.memory_reclaim_seconds.set(seconds)
         result = {"process_gone": gone, "gpu_checked": self.nvml.available, "gpu_released": released,
                   "seconds": seconds}
+        self.last_memory_check = {"after": after, "pid": pid, **result}
+        if not (gone and released):
+            self.metrics.memory_not_returned.labels(after=after).inc()
         log = self.log.info if (gone and released) else self.log.error
-        log("sleep.memory_returned", pid=pid, **result)
+        log("worker.memory_returned", pid=pid, after=after, **result)
         return result
 
     def idle_deadline(self) -> float | None:
@@ -394,3 +508,9 @@ class Controller:
         if self._idle_timer is None or self._idle_timer.cancelled():
             return None
         return max(0.0, self._idle_timer.when() - asyncio.get_running_loop().time())
+
+
+def _fingerprint(submit: p.Submit) -> bytes:
+    """What a request asks for, without its id: the same request sent again
+    has the same fingerprint."""
+    return hashlib.blake2b(msgspec.msgpack.encode((submit.params, submit.prompt, submit.messages)), digest_size=16).digest()

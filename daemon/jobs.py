@@ -30,6 +30,8 @@ class Job:
     finished: bool = False
     first_token_at: float | None = None
     items: asyncio.Queue[Item] = field(default_factory=asyncio.Queue)
+    # Set once the request is handed to a worker or answered: the wait for a wake is over.
+    _placed: asyncio.Event = field(default_factory=asyncio.Event)
 
     @property
     def id(self) -> str:
@@ -41,9 +43,19 @@ class Job:
         if isinstance(item, (p.Done, JobFailure)):
             self.finished = True
         self.items.put_nowait(item)
+        self._placed.set()
 
-    async def next(self, wait_limit: float | None) -> Item:
-        """The next item; raises TimeoutError only while not yet dispatched."""
-        if self.dispatched or not self.items.empty():
-            return await self.items.get()
-        return await asyncio.wait_for(self.items.get(), wait_limit)
+    def mark_dispatched(self) -> None:
+        self.dispatched = True
+        self._placed.set()
+
+    async def next(self, wake_limit: float | None) -> Item:
+        """The next item. `wake_limit` bounds only the wait for a worker to take
+        the request (counted from acceptance): once dispatched, a request waits
+        for its slot and its tokens as long as they take (a queued request on a
+        ready model is bounded by the queue size, not by wake_timeout).
+        Raises TimeoutError when the wake takes longer."""
+        if wake_limit is not None and not self._placed.is_set():
+            remaining = self.accepted_at + wake_limit - time.monotonic()
+            await asyncio.wait_for(self._placed.wait(), max(remaining, 0.0))
+        return await self.items.get()

@@ -17,11 +17,15 @@ class Metrics:
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
         self.state = Gauge("dormouse_state", "1 for the server's current state, 0 for the others", ["state"], registry=r)
+        # reason: startup (the first load), request, admin, retry: a startup load is not a wake,
+        # and mixing it in would hide what users wait for.
         self.resume_seconds = Histogram(
-            "dormouse_resume_seconds", "Time from wake decision to a loaded, ready worker", buckets=RESUME_BUCKETS, registry=r
+            "dormouse_resume_seconds", "Time from load decision to a loaded, ready worker, by reason", ["reason"],
+            buckets=RESUME_BUCKETS, registry=r
         )
         self.resume_phase_seconds = Histogram(
-            "dormouse_resume_phase_seconds", "Duration of each phase of a wake", ["phase"], buckets=RESUME_BUCKETS, registry=r
+            "dormouse_resume_phase_seconds", "Duration of each phase of a load", ["reason", "phase"], buckets=RESUME_BUCKETS,
+            registry=r
         )
         self.sleep_seconds = Histogram(
             "dormouse_sleep_seconds", "Time to tear the worker down and see it exit", buckets=LATENCY_BUCKETS, registry=r
@@ -64,6 +68,21 @@ class Metrics:
         self.accepted_tokens = Counter("dormouse_speculative_accepted_tokens_total", "Drafted tokens the target accepted", registry=r)
         self.worker_restarts = Counter("dormouse_worker_restarts_total", "Workers that exited without being asked to", registry=r)
         self.load_failures = Counter("dormouse_load_failures_total", "Loads that failed", registry=r)
+        self.memory_not_returned = Counter(
+            "dormouse_memory_not_returned_total", "Worker exits after which its memory was not seen given back, by what ended it",
+            ["after"], registry=r
+        )
+        self.poison_refusals = Counter(
+            "dormouse_poison_requests_refused_total", "Requests refused because the same request was in flight at two worker deaths",
+            registry=r
+        )
+        self.transition_errors = Counter(
+            "dormouse_transition_errors_total", "Start or stop tasks that raised (each still ended its state)", registry=r
+        )
+        self.invalid_transitions = Counter(
+            "dormouse_invalid_transitions_total", "Events with no row in the state table (a bug), dropped", ["state", "event"],
+            registry=r
+        )
         self.idle_timeout_seconds = Gauge("dormouse_idle_timeout_seconds", "Configured idle sleep timeout (-1: never)", registry=r)
 
         for state in ServerState:
@@ -72,11 +91,14 @@ class Metrics:
             self.slots.labels(state=slot_state.value).set(0)
         for start in ("cold", "warm"):
             self.ttft_seconds.labels(start=start)
+        for after in ("sleep", "crash", "load_failed"):
+            self.memory_not_returned.labels(after=after)
 
     def observe_wake(self, record: dict, memory_by_device: dict[str, dict[str, int]]) -> None:
-        self.resume_seconds.observe(record["seconds"])
+        reason = record["reason"]
+        self.resume_seconds.labels(reason=reason).observe(record["seconds"])
         for phase in record["phases"]:
-            self.resume_phase_seconds.labels(phase=phase["name"]).observe(phase["seconds"])
+            self.resume_phase_seconds.labels(reason=reason, phase=phase["name"]).observe(phase["seconds"])
         self.memory_bytes.clear()
         for component, devices in memory_by_device.items():
             for device, size in devices.items():

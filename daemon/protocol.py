@@ -4,9 +4,13 @@ Messages are msgspec Structs, tagged by type, sent over a socketpair as a
 4-byte big-endian length followed by a msgpack body. (Not stdin/stdout:
 llama.cpp writes to fds 1 and 2.)
 
-Daemon -> worker: Load, Submit, Cancel, Sleep.
-Worker -> daemon: Hello, LoadProgress, Ready, Tokens, Done, SlotStates,
+Daemon -> worker: Load, Submit, Cancel, Ping, Sleep.
+Worker -> daemon: Hello, LoadProgress, Ready, Tokens, Done, SlotStates, Pong,
 SleepReport, Error.
+
+Ping/Pong is the liveness check: a serving worker answers between decode
+steps, so a worker that stops answering (hung in a kernel, SIGSTOPped,
+deadlocked) is noticed and killed instead of holding its requests forever.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ from typing import Any
 
 import msgspec
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 HEADER = struct.Struct(">I")
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 
@@ -88,6 +92,10 @@ class Cancel(Message):
     request_id: str
 
 
+class Ping(Message):
+    seq: int
+
+
 class Sleep(Message):
     """Tear everything down in order, send a SleepReport, exit."""
 
@@ -155,6 +163,10 @@ class SlotStates(Message):
     slots: list[SlotInfo]
 
 
+class Pong(Message):
+    seq: int
+
+
 class SleepReport(Message):
     phases: list[Phase]
     rss_before: int = 0
@@ -170,8 +182,8 @@ class Error(Message):
     during: str = ""
 
 
-ToWorker = Load | Submit | Cancel | Sleep
-ToDaemon = Hello | LoadProgress | Ready | Tokens | Done | SlotStates | SleepReport | Error
+ToWorker = Load | Submit | Cancel | Ping | Sleep
+ToDaemon = Hello | LoadProgress | Ready | Tokens | Done | SlotStates | Pong | SleepReport | Error
 
 _encoder = msgspec.msgpack.Encoder()
 _to_worker = msgspec.msgpack.Decoder(ToWorker)

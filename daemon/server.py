@@ -16,12 +16,27 @@ from typing import Any, Callable
 from aiohttp import web
 
 from config import ConfigError, Settings
-from daemon.controller import Controller
+from daemon.controller import CANCEL_GRACE_SECONDS, Controller
 from daemon.http_app import build_app
 from daemon.logs import configure_logging, get_logger
 from daemon.metrics import Metrics
 from daemon.systemd import Notifier, inherited_socket, watchdog_interval
 from statemachine import PolicyChanged
+
+
+# Open connections get this long to close once the worker is gone (their
+# requests have been answered or failed by then).
+HTTP_CLOSE_SECONDS = 3.0
+# Slack for process reaping and logging on a loaded machine.
+STOP_SLACK_SECONDS = 5.0
+
+
+def stop_budget(settings: Settings) -> float:
+    """The longest SIGTERM can take to exit: drain, cancel grace, teardown, HTTP
+    close, slack. systemd's TimeoutStopSec must be at least this (the unit's
+    60 s covers the defaults; tests/unit/test_shutdown_budget.py checks)."""
+    return (settings.shutdown_timeout + CANCEL_GRACE_SECONDS + settings.teardown_timeout
+            + HTTP_CLOSE_SECONDS + STOP_SLACK_SECONDS)
 
 
 async def serve(settings: Settings, model_path: str, reload_settings: Callable[[], Settings] | None = None) -> int:
@@ -32,7 +47,7 @@ async def serve(settings: Settings, model_path: str, reload_settings: Callable[[
     controller.state_listeners.append(lambda before, after: notifier.status(f"state: {after}"))
 
     app = build_app(controller, settings, metrics, log)
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=HTTP_CLOSE_SECONDS)
     await runner.setup()
     sock = inherited_socket()
     site: web.BaseSite = web.SockSite(runner, sock) if sock else web.TCPSite(runner, settings.host, settings.port)
@@ -65,7 +80,15 @@ async def serve(settings: Settings, model_path: str, reload_settings: Callable[[
     else:
         log.info("shutdown.begin", in_flight=len(controller.machine.in_flight))
         notifier.stopping()
-        await controller.shutdown(settings.shutdown_timeout)
+        # controller.shutdown is bounded by itself; this outer bound is the last
+        # word, so that a bug there still exits within TimeoutStopSec.
+        inner = settings.shutdown_timeout + CANCEL_GRACE_SECONDS + settings.teardown_timeout
+        try:
+            await asyncio.wait_for(controller.shutdown(settings.shutdown_timeout), inner + STOP_SLACK_SECONDS)
+        except asyncio.TimeoutError:
+            log.error("shutdown.forced", seconds=inner + STOP_SLACK_SECONDS)
+            await controller.supervisor.close()
+            code = 1
     stop_wait.cancel()
     if watchdog is not None:
         watchdog.cancel()

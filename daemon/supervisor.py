@@ -8,8 +8,14 @@ worker spawned ahead of time (imports done, no backend, no model) so a wake
 skips interpreter start-up and imports.
 
 The controller gets exactly one outcome per worker: start() raises LoadFailed,
-or stop() returns (the worker tore down, or died while doing so), or
-on_unexpected_exit is called (it died while serving).
+or stop() returns a result (the worker tore down, or died while doing so), or
+on_unexpected_exit is called (it died while serving). A stop() that finds its
+worker already gone returns `already_gone`: the exit was (or is about to be)
+reported through on_unexpected_exit, and must not be reported twice.
+
+A serving worker is pinged; one that answers nothing for `liveness_timeout`
+seconds (hung in a kernel, stopped, deadlocked) is killed, and its death is an
+ordinary unexpected exit whose reason says it hung.
 """
 
 from __future__ import annotations
@@ -28,7 +34,9 @@ from daemon import protocol as p
 
 
 class LoadFailed(RuntimeError):
-    pass
+    def __init__(self, message: str, pid: int | None = None) -> None:
+        super().__init__(message)
+        self.pid = pid  # the worker that was started and is gone now, if any
 
 
 @dataclass
@@ -40,6 +48,8 @@ class Worker:
     hello: p.Hello | None = None
     phase: str = "spawned"  # spawned, loading, serving, stopping, gone
     stderr_tail: deque[str] = field(default_factory=lambda: deque(maxlen=20))
+    last_heard: float = field(default_factory=time.monotonic)  # any message counts as a sign of life
+    kill_reason: str | None = None  # why the daemon killed it, if it did
     exited: asyncio.Event = field(default_factory=asyncio.Event)
     tasks: list[asyncio.Task] = field(default_factory=list)
 
@@ -55,6 +65,8 @@ class Worker:
             how = f"was killed by {signal.Signals(-code).name}"
         else:
             how = f"exited with status {code}"
+        if self.kill_reason:
+            how += f" ({self.kill_reason})"
         detail = next((line for line in reversed(self.stderr_tail) if line.strip()), "")
         return f"worker pid {self.pid} {how}" + (f" ({detail})" if detail else "")
 
@@ -64,6 +76,7 @@ class StopResult:
     report: p.SleepReport | None  # None: the worker died during teardown or had to be killed
     pid: int | None
     aborted_load: bool = False  # it was still loading and was killed; start() reports that
+    already_gone: bool = False  # it died before the stop; on_unexpected_exit reports that
 
 
 @dataclass
@@ -83,12 +96,14 @@ class Supervisor:
         on_unexpected_exit: Callable[[Worker, str], None],
         log,
         hello_timeout: float = 30.0,
+        liveness_timeout: float = 0.0,
     ) -> None:
         self.worker_module = worker_module
         self.on_message = on_message
         self.on_unexpected_exit = on_unexpected_exit
         self.log = log
         self.hello_timeout = hello_timeout
+        self.liveness_timeout = liveness_timeout  # 0: no pings
         self.current: Worker | None = None
         self.spare: Worker | None = None
         self._spawning: asyncio.Task | None = None
@@ -99,8 +114,11 @@ class Supervisor:
     # -- spawning ---------------------------------------------------------------
 
     async def _spawn(self) -> Worker:
-        parent, child = socket.socketpair()
         start = time.perf_counter()
+        try:
+            parent, child = socket.socketpair()
+        except OSError as exc:  # out of file descriptors
+            raise LoadFailed(f"cannot create the worker's channel: {exc}") from None
         try:
             proc = await asyncio.create_subprocess_exec(
                 sys.executable, "-m", self.worker_module, "--fd", str(child.fileno()),
@@ -110,6 +128,9 @@ class Supervisor:
                 stderr=asyncio.subprocess.PIPE,
                 env={**os.environ, "PYTHONUNBUFFERED": "1"},
             )
+        except OSError as exc:  # fork or exec refused: out of memory, processes, fds
+            parent.close()
+            raise LoadFailed(f"cannot start a worker process: {exc}") from None
         finally:
             child.close()
         reader, writer = await asyncio.open_unix_connection(sock=parent)
@@ -169,19 +190,22 @@ class Supervisor:
             outcome = await asyncio.wait_for(asyncio.shield(self._pending), timeout)
         except asyncio.TimeoutError:
             await self._kill(worker)
-            raise LoadFailed(f"load took longer than {timeout:g}s (load_timeout)") from None
+            raise LoadFailed(f"load took longer than {timeout:g}s (load_timeout)", worker.pid) from None
         if isinstance(outcome, p.Ready):
             worker.phase = "serving"
+            worker.last_heard = time.monotonic()
+            if self.liveness_timeout > 0:
+                worker.tasks.append(asyncio.create_task(self._watch_liveness(worker), name=f"worker-{worker.pid}-liveness"))
             return StartResult(outcome, worker, spawn_seconds, time.perf_counter() - handshake_start, prespawned)
         await self._reap(worker)
         reason = outcome.message if isinstance(outcome, p.Error) else worker.exit_reason()
-        raise LoadFailed(reason)
+        raise LoadFailed(reason, worker.pid)
 
     async def stop(self, timeout: float) -> StopResult:
         """Ordered teardown, then wait for the process to exit."""
         worker = self.current
-        if worker is None:
-            return StopResult(None, None)
+        if worker is None or worker.phase == "gone":
+            return StopResult(None, worker.pid if worker else self.last_exit_pid, already_gone=True)
         if worker.phase == "loading":
             # Nothing to tear down in order yet: ending the process gives it all back,
             # and start() reports the load as failed.
@@ -197,6 +221,7 @@ class Supervisor:
             report = outcome if isinstance(outcome, p.SleepReport) else None
         except asyncio.TimeoutError:
             self.log.warning("worker.teardown_timeout", pid=worker.pid, timeout=timeout)
+            worker.kill_reason = f"teardown took longer than {timeout:g}s"
             await self._kill(worker)
         await self._reap(worker)
         return StopResult(report, worker.pid)
@@ -206,6 +231,14 @@ class Supervisor:
         if worker is None or worker.writer.is_closing():
             return
         worker.writer.write(p.encode(message))
+
+    async def kill_current(self, reason: str) -> None:
+        """End the current worker now; its exit is reported as usual (EOF)."""
+        worker = self.current
+        if worker is not None and worker.proc.returncode is None:
+            worker.kill_reason = reason
+            worker.proc.kill()
+            await worker.exited.wait()
 
     async def close(self) -> None:
         for worker in (self.spare, self.current):
@@ -224,6 +257,9 @@ class Supervisor:
         try:
             while True:
                 message = await self._read(worker)
+                worker.last_heard = time.monotonic()
+                if isinstance(message, p.Pong):
+                    continue
                 if isinstance(message, (p.Ready, p.Error, p.SleepReport)):
                     self._resolve(message)
                 elif isinstance(message, p.LoadProgress):
@@ -239,6 +275,25 @@ class Supervisor:
         self._resolve(None)
         if phase == "serving":
             self.on_unexpected_exit(worker, worker.exit_reason())
+
+    async def _watch_liveness(self, worker: Worker) -> None:
+        """Ping a serving worker; kill it when nothing has come back for liveness_timeout."""
+        timeout = self.liveness_timeout
+        interval = max(0.1, timeout / 4)
+        seq = 0
+        while worker.phase == "serving" and worker.proc.returncode is None:
+            await asyncio.sleep(interval)
+            if worker.phase != "serving":
+                return  # a teardown has its own bound
+            silent = time.monotonic() - worker.last_heard
+            if silent > timeout:
+                self.log.error("worker.hung", pid=worker.pid, silent_seconds=round(silent, 3), timeout=timeout)
+                worker.kill_reason = f"it answered no ping for {timeout:g}s: hung (worker_liveness_timeout)"
+                worker.proc.kill()  # SIGKILL ends a stopped process too; EOF reports the exit
+                return
+            seq += 1
+            if not worker.writer.is_closing():
+                worker.writer.write(p.encode(p.Ping(seq)))
 
     def _resolve(self, outcome: p.ToDaemon | None) -> None:
         if self._pending is not None and not self._pending.done():

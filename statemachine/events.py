@@ -27,9 +27,13 @@ class WorkerLoadFailed(Event):
 
 @dataclass(frozen=True)
 class WorkerExited(Event):
-    """The worker process went away without being asked to."""
+    """The worker process went away without being asked to (crashed, killed,
+    or killed by the daemon because it stopped answering)."""
 
     reason: str
+    # Seconds it had been serving since it said Ready; None if it never did. A
+    # crash soon after a load (the first decode) counts as a failed load.
+    uptime: float | None = None
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,9 @@
 `ServerMachine.handle(event)` looks up the row for (current state, event type)
 and runs it. A missing row is a bug and raises `InvalidTransition`: every event
 that can legitimately arrive in a state has a row, even if the row ignores it
-(for instance a timer that fired just before it was disarmed).
+(for instance a timer that fired just before it was disarmed, or a request's
+finish that arrives after its worker crashed). The controller logs and counts
+such a bug and carries on; the table stays strict so that tests find it.
 
 The machine also keeps the request bookkeeping that the idle policy needs: a
 request counts as in flight from the moment it is accepted, so the idle timer
@@ -60,6 +62,10 @@ class Policy:
     max_queued: int = 128  # requests accepted beyond the slots (or during a wake)
     retry_base_seconds: float = 1.0  # backoff after a failed load: base * 2**(n-1)
     retry_max_seconds: float = 60.0
+    # A worker that crashes within this many seconds of its load counts as a
+    # failed load (backoff, FAILED): a poison request cannot loop wake, crash,
+    # retry at the speed of its client.
+    early_crash_seconds: float = 30.0
 
     @property
     def capacity(self) -> int:
@@ -134,9 +140,11 @@ class ServerMachine:
         return self._start_worker(S.LOADING, "startup")
 
     def _worker_ready(self, event: WorkerReady) -> list[Command]:
+        # consecutive_load_failures is not reset here: a load that crashes at
+        # its first decode must keep backing off. It resets once the worker
+        # proves itself (a request answered, a clean sleep, a long uptime).
         self.state = S.READY
         self.failure_reason = None
-        self.consecutive_load_failures = 0
         ids = self._take_waiting()
         self.in_flight.update(ids)
         commands: list[Command] = [Dispatch(ids)] if ids else []
@@ -162,17 +170,23 @@ class ServerMachine:
     def _crashed_while_ready(self, event: WorkerExited) -> list[Command]:
         # The worker is gone, so nothing holds the model: that is sleeping. The
         # requests it was serving fail; the next request wakes a new worker.
-        self.state = S.SLEEPING
-        self.worker_up = False
+        # A crash right after a load is a load that did not hold: it backs off.
         ids = tuple(sorted(self.in_flight))
         self.in_flight.clear()
         commands = self._disarm_idle()
         if ids:
             commands.append(FailRequests(ids, f"worker exited: {event.reason}"))
+        if event.uptime is not None and event.uptime < self.policy.early_crash_seconds:
+            return commands + self._load_failed(WorkerLoadFailed(f"crashed {event.uptime:.1f}s after loading: {event.reason}"))
+        self.consecutive_load_failures = 0
+        self.state = S.SLEEPING
+        self.worker_up = False
         return commands
 
     def _unloaded(self, event: SleepCompleted | WorkerExited) -> list[Command]:
         self.worker_up = False
+        if isinstance(event, SleepCompleted):
+            self.consecutive_load_failures = 0
         if self.waiting or self.wake_pending:
             return self._start_worker(S.WAKING, "admin" if self.wake_pending else "request")
         self.state = S.SLEEPING
@@ -208,7 +222,11 @@ class ServerMachine:
         return []  # STARTING, LOADING, WAKING, UNLOADING: the load under way (or next) serves it
 
     def _request_finished(self, event: RequestFinished) -> list[Command]:
+        if event.request_id not in self.in_flight:
+            return []  # already failed: its worker crashed before this finish was decided
         self.in_flight.discard(event.request_id)
+        if event.ok:
+            self.consecutive_load_failures = 0
         if self.state is S.STOPPING:
             return [] if self.in_flight else self._stop_worker("shutdown")
         return self._arm_idle_if_quiet()
@@ -297,8 +315,6 @@ TRANSITIONS: dict[tuple[S, type[Event]], Row] = {
     (S.UNLOADING, WorkerExited): M._unloaded,
     (S.READY, IdleTimerFired): M._idle_fired,
     (S.FAILED, RetryTimerFired): M._retry_fired,
-    (S.READY, RequestFinished): M._request_finished,
-    (S.STOPPING, RequestFinished): M._request_finished,
     (S.STOPPING, SleepCompleted): M._worker_gone_while_stopping,
     (S.STOPPING, WorkerExited): M._worker_gone_while_stopping,
     (S.STOPPING, WorkerLoadFailed): M._worker_gone_while_stopping,
@@ -311,6 +327,9 @@ for _state in ALL_STATES:
     TRANSITIONS[(_state, SleepRequested)] = M._sleep_requested
     TRANSITIONS[(_state, WakeRequested)] = M._wake_requested
     TRANSITIONS[(_state, PolicyChanged)] = M._policy_changed
+    # A finish can trail its worker's crash (a dispatch that failed to encode
+    # posts one while the WorkerExited is already queued): stale unless in flight.
+    TRANSITIONS[(_state, RequestFinished)] = M._request_finished
     TRANSITIONS.setdefault((_state, StopRequested), M._stop_requested)
     # A timer can fire just before it is disarmed; outside its state it is stale.
     TRANSITIONS.setdefault((_state, IdleTimerFired), M._ignore)

@@ -101,6 +101,8 @@ def serve(channel: Channel, engine) -> None:
                 engine.submit(message)
             elif isinstance(message, p.Cancel):
                 engine.cancel(message.request_id)
+            elif isinstance(message, p.Ping):
+                channel.send(p.Pong(message.seq))  # answered between steps: a stuck step goes unanswered
             message = channel.receive(block=False)
         if engine.busy:
             engine.step()

@@ -16,17 +16,12 @@ from typing import Callable
 
 from daemon import protocol as p
 from daemon.worker.chat import END_OF_TURN_MARKERS, ChatRenderer, ChatTemplateError, template_for
+from daemon.worker.errors import RequestError
 from daemon.worker.llama_lib import llama
-from daemon.worker.runtime import Runtime
+from daemon.worker.runtime import VERIFY_GROUP, Runtime, step_capacity
 from daemon.worker.sampling import SamplerChain
-from daemon.worker.slot import Job, Slot
+from daemon.worker.slot import Job, Slot, choose_slot
 from statemachine import SlotState
-
-
-class RequestError(ValueError):
-    def __init__(self, message: str, code: str = "invalid_request") -> None:
-        super().__init__(message)
-        self.code = code
 
 
 class Engine:
@@ -41,7 +36,7 @@ class Engine:
         self.memory = llama.llama_get_memory(self.ctx)
         self.slots = [Slot(i) for i in range(runtime.spec.parallel)]
         self.queue: deque[p.Submit] = deque()
-        self.batch = llama.llama_batch_init(self.n_batch, 0, 1)
+        self.batch = llama.llama_batch_init(step_capacity(runtime.spec), 0, 1)
         self.add_bos = bool(llama.llama_vocab_get_add_bos(self.vocab))
         self._piece = ctypes.create_string_buffer(256)
         self.chat = ChatRenderer(
@@ -163,7 +158,7 @@ class Engine:
                 if msg.messages is not None:
                     text, images = self.chat_prompt(msg)
                     if images:  # only possible with a projector: chat_prompt refuses them otherwise
-                        self._assign_media(idle[0], msg, text, images)
+                        self._assign_media(min(idle, key=lambda s: (s.last_used, s.id)), msg, text, images)
                         continue
                     tokens = self.tokenize(text, add_special=True)
                 else:
@@ -175,15 +170,14 @@ class Engine:
                         f"prompt has {len(tokens)} tokens; the context of a slot holds {self.n_ctx_slot}",
                         "context_length_exceeded",
                     )
-                sampler = SamplerChain(msg.params, self.n_vocab)
+                sampler = SamplerChain(msg.params, self.n_vocab, self.n_ctx_slot)
             except RequestError as exc:
                 self.emit(p.Done(msg.request_id, "error", error=str(exc), error_code=exc.code))
                 continue
             except Exception as exc:  # noqa: BLE001 - a bug in one request's setup fails that request only
                 self.emit(p.Done(msg.request_id, "error", error=f"internal error: {exc!r}", error_code="internal_error"))
                 continue
-            slot = max(idle, key=lambda s: s.common_prefix(tokens))
-            self._assign(slot, msg, tokens, sampler)
+            self._assign(choose_slot(idle, tokens), msg, tokens, sampler)
             if msg.messages is not None:
                 slot.job.end_tokens = self.end_of_turn
 
@@ -199,13 +193,14 @@ class Engine:
             self.speculator.forget(slot)
         try:
             n_pos, n_tokens = self.media.evaluate(self.ctx, text, images, slot.id, self.n_batch, self.n_ctx_slot)
-            sampler = SamplerChain(msg.params, self.n_vocab)
+            sampler = SamplerChain(msg.params, self.n_vocab, self.n_ctx_slot)
         except (MediaError, RequestError) as exc:
             llama.llama_memory_seq_rm(self.memory, slot.id, -1, -1)
             self.emit(p.Done(msg.request_id, "error", error=str(exc), error_code=exc.code))
             return
         slot.cache.extend([-1] * n_pos)
         slot.job = Job(msg.request_id, [-1] * n_tokens, msg.params, sampler, n_prompt_done=n_tokens)
+        slot.last_used = time.monotonic()
         slot.job.end_tokens = self.end_of_turn
         slot.move(SlotState.STARTED)
         slot.move(SlotState.PROCESSING_PROMPT)
@@ -221,6 +216,7 @@ class Engine:
             reuse = 0
         del slot.cache[reuse:]
         slot.job = Job(msg.request_id, tokens, msg.params, sampler, n_prompt_done=reuse, n_cached=reuse)
+        slot.last_used = time.monotonic()
         slot.move(SlotState.STARTED)
         self._slots_changed = True
 
@@ -262,11 +258,6 @@ class Engine:
             self._decode(entries)
         self.report_slots()
 
-    # Verification decodes at most this many tokens at once: llama.cpp's CPU
-    # kernels for up to 4 tokens give the same logits as decoding one by one,
-    # so greedy output with a draft is token for token the output without.
-    VERIFY_GROUP = 4
-
     def _speculate(self, slot: Slot) -> None:
         """Draft, then verify the next token and the drafts with the target."""
         job = slot.job
@@ -277,7 +268,7 @@ class Engine:
         job.next_token = None
         i = 0
         while i < len(tokens):
-            group = tokens[i:i + self.VERIFY_GROUP]
+            group = tokens[i:i + VERIFY_GROUP]
             first_pos = len(slot.cache)
             if not self._decode([(slot, t, True) for t in group], handle_logits=False):
                 return

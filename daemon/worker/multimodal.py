@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import ctypes
 
+from daemon.worker.errors import RequestError
 from daemon.worker.llama_lib import llama, mtmd
 
 
-class MediaError(ValueError):
-    def __init__(self, message: str, code: str = "invalid_request") -> None:
-        super().__init__(message)
-        self.code = code
+class MediaError(RequestError):
+    """A prompt with images that cannot be encoded; the request fails, the worker goes on."""
 
 
 class MediaPrompts:

@@ -42,6 +42,7 @@ class Slot:
         self.state = SlotState.IDLE
         self.cache: list[int] = []  # tokens whose K/V this sequence holds, in order
         self.job: Job | None = None
+        self.last_used = 0.0  # monotonic time its last request started; 0: never used
 
     def move(self, new: SlotState) -> None:
         self.state = check_slot_transition(self.state, new)
@@ -53,3 +54,20 @@ class Slot:
                 break
             n += 1
         return n
+
+
+# A cached prefix must cover more than this share of a new prompt to claim its
+# slot (llama-server's slot_prompt_similarity). Below it, the match is the BOS
+# token or a template header that every prompt shares, and taking that slot
+# would throw away another conversation's cache while other slots sit empty.
+PROMPT_SIMILARITY = 0.1
+
+
+def choose_slot(idle: list[Slot], tokens: list[int]) -> Slot:
+    """The idle slot for a prompt: the longest cached prefix when it is a real
+    share of the prompt, else an empty slot, else the least recently used."""
+    best = max(idle, key=lambda s: s.common_prefix(tokens))
+    shared = best.common_prefix(tokens)
+    if shared > 1 and shared > PROMPT_SIMILARITY * len(tokens):
+        return best
+    return min(idle, key=lambda s: (s.last_used, s.id))

@@ -9,6 +9,7 @@ Behaviour comes from the environment:
   FAKE_TOKEN_SECONDS      time per decode step (default 0.01)
   FAKE_LOAD_COUNTER       file to append a line to on every Load (counts wakes)
   FAKE_TEARDOWN_SECONDS   time the ordered teardown takes (default 0)
+  FAKE_HANG_AFTER_TOKENS  stop itself (SIGSTOP) after emitting this many tokens in total
 """
 
 from __future__ import annotations
@@ -51,17 +52,33 @@ def main() -> int:
     spec = message.spec
     phases = [p.Phase("backend", 0.0), p.Phase("model", time.perf_counter() - start, 1000), p.Phase("context", 0.0, 100)]
     channel.send(p.Ready(spec.parallel, spec.ctx_size, spec.ctx_size // spec.parallel, phases,
-                         {"path": spec.model, "fake": True}, {"model": 1000, "context": 100}))
+                         {"path": spec.model, "fake": True,
+                          "memory_by_device": {"model": {"CPU": 1000}, "context": {"CPU": 100}}}, {"model": 1000, "context": 100}))
 
     crash_after = int(os.environ.get("FAKE_CRASH_AFTER_TOKENS", "0"))
+    hang_after = int(os.environ.get("FAKE_HANG_AFTER_TOKENS", "0"))
     step = env_float("FAKE_TOKEN_SECONDS", 0.01)
-    active: dict[str, list] = {}  # request id -> [params, n emitted]
+    active: dict[str, list] = {}  # request id -> [params, n emitted]; at most spec.parallel, like slots
+    queued: dict[str, list] = {}  # requests beyond the slots wait in order, as in the real engine
     emitted_total = 0
+    reported: list[str] = []
+
+    def report_slots() -> None:  # as the engine does, only when they changed
+        ids = list(active)
+        if ids != reported:
+            reported[:] = ids
+            channel.send(p.SlotStates([p.SlotInfo(i, "generating" if i < len(ids) else "idle",
+                                                  ids[i] if i < len(ids) else None) for i in range(spec.parallel)]))
+
     while True:
+        while queued and len(active) < spec.parallel:
+            rid = next(iter(queued))
+            active[rid] = queued.pop(rid)
+        report_slots()
         message = channel.receive(block=not active)
         while message is not False:
             if message is None or isinstance(message, p.Sleep):
-                for rid in active:
+                for rid in [*active, *queued]:
                     channel.send(p.Done(rid, "cancelled"))
                 time.sleep(env_float("FAKE_TEARDOWN_SECONDS", 0.0))
                 phases = [p.Phase(n, 0.001, 10, skipped=n in ("draft_context", "draft_model", "mmproj"))
@@ -72,13 +89,15 @@ def main() -> int:
                 if message.prompt == "FAIL":
                     channel.send(p.Done(message.request_id, "error", error="prompt too long", error_code="context_length_exceeded"))
                 else:
-                    active[message.request_id] = [message.params, 0]
-            elif isinstance(message, p.Cancel) and message.request_id in active:
-                del active[message.request_id]
+                    queued[message.request_id] = [message.params, 0]
+            elif isinstance(message, p.Ping):
+                channel.send(p.Pong(message.seq))
+            elif isinstance(message, p.Cancel) and (message.request_id in active or message.request_id in queued):
+                active.pop(message.request_id, None) or queued.pop(message.request_id)
                 channel.send(p.Done(message.request_id, "cancelled"))
             message = channel.receive(block=False)
         if not active:
-            continue
+            continue  # a submit goes onto a slot at the top of the loop
         time.sleep(step)
         for rid, state in list(active.items()):
             params, n = state
@@ -87,6 +106,8 @@ def main() -> int:
             emitted_total += 1
             if crash_after and emitted_total >= crash_after:
                 os.kill(os.getpid(), signal.SIGKILL)
+            if hang_after and emitted_total >= hang_after:
+                os.kill(os.getpid(), signal.SIGSTOP)  # hung, not dead: only the liveness check notices
             if state[1] >= min(params.max_tokens, spec.ctx_size // spec.parallel):  # the slot's context is full
                 del active[rid]
                 channel.send(p.Done(rid, "length", prompt_tokens=3, completion_tokens=state[1]))

@@ -72,7 +72,7 @@ async def test_load_error_message_reaches_props(monkeypatch):
 
 async def test_crash_during_generation_fails_in_flight_then_next_request_succeeds(monkeypatch):
     monkeypatch.setenv("FAKE_CRASH_AFTER_TOKENS", "3")
-    async with fake_daemon() as (controller, client):
+    async with fake_daemon(early_crash_seconds=0) as (controller, client):  # a crash long after the load
         await ready(controller)
         response = await complete(client, max_tokens=50)
         assert response.status == 503
