@@ -39,3 +39,35 @@ def test_utf8_split_across_tokens():
     assert a.feed(data[:1]) == ""
     assert a.feed(data[1:3]) == "é"
     assert a.feed(data[3:]) == "🙂"
+
+
+def _slot(seq_id: int, cache: list[int], last_used: float):
+    from daemon.worker.slot import Slot
+
+    slot = Slot(seq_id)
+    slot.cache = list(cache)
+    slot.last_used = last_used
+    return slot
+
+
+def test_slot_choice_keeps_other_conversations_cached():
+    """An unrelated prompt shares only BOS with a used slot: it takes an empty
+    slot instead of overwriting the other conversation (issue 9, item 2)."""
+    from daemon.worker.slot import choose_slot
+
+    bos = 2
+    used = _slot(0, [bos, 10, 11, 12, 13, 14, 15, 16, 17, 18], last_used=5.0)
+    empty = [_slot(i, [], 0.0) for i in (1, 2, 3)]
+    unrelated = [bos, 50, 51, 52, 53, 54, 55, 56, 57, 58]
+    assert choose_slot([used, *empty], unrelated).id == 1
+    # The same conversation, one turn later, goes back to its slot.
+    assert choose_slot([used, *empty], [bos, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20]).id == 0
+
+
+def test_slot_choice_takes_the_least_recently_used_when_all_are_used():
+    from daemon.worker.slot import choose_slot
+
+    slots = [_slot(0, [2, 1, 1], 9.0), _slot(1, [2, 3, 3], 3.0), _slot(2, [2, 4, 4], 6.0)]
+    assert choose_slot(slots, [2, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7]).id == 1
+    # A real share wins over recency.
+    assert choose_slot(slots, [2, 4, 4, 5]).id == 2
