@@ -92,6 +92,22 @@ class Engine:
             n = llama.llama_tokenize(self.vocab, data, len(data), buf, capacity, add_special, True)
         return list(buf[:n])
 
+    def prompt_tokens_within(self, text: str, limit: int) -> list[int]:
+        """The prompt's tokens, refused once it is seen to exceed `limit` tokens.
+
+        Tokenizing runs on the one thread that decodes every slot (a 6 MB
+        prompt took 6 s, stalling all of them), so a long text is tokenized
+        by growing prefixes: a prefix that already has more than `limit`
+        tokens settles it (a prefix never has many more tokens than the whole
+        text), and the work stays proportional to the context, not the body."""
+        chars = max(4096, limit * 8)  # ~4 bytes a token in prose: usually one pass
+        while chars < len(text):
+            if len(self.tokenize(text[:chars], add_special=True)) > limit + 1:  # +1: a split at the cut
+                raise RequestError(f"prompt has more than {limit} tokens; the context of a slot holds {self.n_ctx_slot}",
+                                   "context_length_exceeded")
+            chars *= 2
+        return self.tokenize(text, add_special=True)
+
     def token_bytes(self, token: int, special: bool = False) -> bytes:
         n = llama.llama_token_to_piece(self.vocab, token, self._piece, len(self._piece), 0, special)
         if n < 0:
@@ -143,7 +159,7 @@ class Engine:
             if bad:
                 raise RequestError(f"prompt has token ids outside the vocabulary (0..{self.n_vocab - 1}): {bad[:5]}")
             return list(msg.prompt)
-        return self.tokenize(msg.prompt or "", add_special=True)
+        return self.prompt_tokens_within(msg.prompt or "", self.n_ctx_slot)
 
     # -- scheduling -----------------------------------------------------------
 
@@ -160,7 +176,7 @@ class Engine:
                     if images:  # only possible with a projector: chat_prompt refuses them otherwise
                         self._assign_media(min(idle, key=lambda s: (s.last_used, s.id)), msg, text, images)
                         continue
-                    tokens = self.tokenize(text, add_special=True)
+                    tokens = self.prompt_tokens_within(text, self.n_ctx_slot)
                 else:
                     tokens = self.prompt_tokens(msg)
                 if not tokens:
