@@ -45,6 +45,7 @@ from statemachine import (
     Exit,
     FailRequests,
     IdleTimerFired,
+    LoadNotAdmitted,
     Policy,
     Reject,
     Reply,
@@ -114,6 +115,10 @@ class Controller:
         self._retry_timer: asyncio.TimerHandle | None = None
         self._state_changed = asyncio.Event()
         self._tasks: set[asyncio.Task] = set()
+        # Set by the fleet: asked before every load; answers None (load now) or
+        # why not. A fleet of one has none and always loads.
+        self.admission: Callable[[], Awaitable[LoadNotAdmitted | None]] | None = None
+        self._admission_wait: asyncio.Future | None = None
         metrics.idle_timeout_seconds.set(settings.sleep_idle_seconds)
         metrics.set_state(self.state)
 
@@ -307,8 +312,27 @@ class Controller:
         self._forget_worker()
         return SleepCompleted({"clean": False})
 
+    async def _admit(self) -> LoadNotAdmitted | None:
+        """Wait for the fleet's word; a stop calls the wait off."""
+        if self.admission is None:
+            return None
+        self._admission_wait = asyncio.ensure_future(self.admission())
+        try:
+            await asyncio.wait({self._admission_wait})
+        finally:
+            if not self._admission_wait.done():
+                self._admission_wait.cancel()  # this task itself was cancelled
+        if self._admission_wait.cancelled():
+            return LoadNotAdmitted("the load was called off", "cancelled")
+        return self._admission_wait.result()
+
     async def _start_worker(self, reason: str) -> Event:
         start = time.perf_counter()
+        refusal = await self._admit()
+        if refusal is not None:
+            self.log.warning("load.not_admitted", reason=refusal.reason, code=refusal.code)
+            return refusal
+        admitted_after = time.perf_counter() - start
         try:
             # A wake that a request triggered skips the warm-up decode: that request's
             # own prompt pays the same lazy initialisation, so a warm-up would only
@@ -323,6 +347,7 @@ class Controller:
             return WorkerLoadFailed(str(exc))
         ready = result.ready
         self.last_wake = wake_record(result, reason, time.perf_counter() - start)
+        self.last_wake["admission_seconds"] = admitted_after
         self.model_info = ready.model_info
         self.n_ctx_slot = ready.n_ctx_slot
         self.slots = [p.SlotInfo(i, "idle") for i in range(ready.n_slots)]
@@ -333,6 +358,9 @@ class Controller:
         return WorkerReady(ready.n_slots, ready.model_info)
 
     async def _stop_worker(self, reason: str) -> Event | None:
+        if self._admission_wait is not None and not self._admission_wait.done():
+            self._admission_wait.cancel()  # no worker yet: the start task reports LoadNotAdmitted
+            return None
         start = time.perf_counter()
         result = await self.supervisor.stop(timeout=self.settings.teardown_timeout)
         if result.aborted_load or result.already_gone:

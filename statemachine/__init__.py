@@ -21,6 +21,7 @@ from statemachine.commands import (
 from statemachine.events import (
     Event,
     IdleTimerFired,
+    LoadNotAdmitted,
     PolicyChanged,
     RequestAbandoned,
     RequestArrived,

@@ -26,6 +26,16 @@ class WorkerLoadFailed(Event):
 
 
 @dataclass(frozen=True)
+class LoadNotAdmitted(Event):
+    """The fleet did not let this model load (it does not fit beside busy
+    models within wake_timeout, or it can never fit): no worker was started."""
+
+    reason: str
+    code: str = "insufficient_memory"
+    retry_after: float | None = None
+
+
+@dataclass(frozen=True)
 class WorkerExited(Event):
     """The worker process went away without being asked to (crashed, killed,
     or killed by the daemon because it stopped answering)."""
@@ -76,6 +86,7 @@ class RetryTimerFired(Event):
 @dataclass(frozen=True)
 class SleepRequested(Event):
     ticket: int = 0
+    reason: str = "admin"  # admin (POST /sleep), evict (the fleet needs the memory)
 
 
 @dataclass(frozen=True)

@@ -34,6 +34,7 @@ from statemachine.commands import (
 from statemachine.events import (
     Event,
     IdleTimerFired,
+    LoadNotAdmitted,
     PolicyChanged,
     RequestAbandoned,
     RequestArrived,
@@ -167,6 +168,15 @@ class ServerMachine:
         commands.append(ArmRetryTimer(self.retry_delay, self.retry_generation))
         return commands
 
+    def _not_admitted(self, event: LoadNotAdmitted) -> list[Command]:
+        # No worker was started: nothing holds memory, so the model sleeps and
+        # the requests that waited for it are told why (and when to retry).
+        self.state = S.SLEEPING
+        self.worker_up = False
+        self.wake_pending = False
+        ids = self._take_waiting()
+        return [Reject(ids, event.reason, event.code, event.retry_after)] if ids else []
+
     def _crashed_while_ready(self, event: WorkerExited) -> list[Command]:
         # The worker is gone, so nothing holds the model: that is sleeping. The
         # requests it was serving fail; the next request wakes a new worker.
@@ -246,7 +256,7 @@ class ServerMachine:
             if self.busy:
                 return [Reply(t, False, f"busy: {len(self.in_flight)} requests in flight")]
             self.state = S.UNLOADING
-            return self._disarm_idle() + self._stop_worker("admin") + [Reply(t, True, "going to sleep")]
+            return self._disarm_idle() + self._stop_worker(event.reason) + [Reply(t, True, "going to sleep")]
         if self.state in (S.SLEEPING, S.UNLOADING):
             return [Reply(t, True, "already asleep")]
         return [Reply(t, False, f"cannot sleep while {self.state}")]
@@ -284,7 +294,9 @@ class ServerMachine:
             return commands  # finish the teardown / let in-flight requests drain
         return commands + self._stop_worker("shutdown")
 
-    def _worker_gone_while_stopping(self, event: SleepCompleted | WorkerExited | WorkerLoadFailed) -> list[Command]:
+    def _worker_gone_while_stopping(
+        self, event: SleepCompleted | WorkerExited | WorkerLoadFailed | LoadNotAdmitted
+    ) -> list[Command]:
         self.worker_up = False
         commands: list[Command] = []
         ids = tuple(sorted(self.in_flight))
@@ -310,6 +322,9 @@ TRANSITIONS: dict[tuple[S, type[Event]], Row] = {
     (S.WAKING, WorkerLoadFailed): M._load_failed,
     (S.LOADING, WorkerExited): M._load_failed,
     (S.WAKING, WorkerExited): M._load_failed,
+    (S.LOADING, LoadNotAdmitted): M._not_admitted,
+    (S.WAKING, LoadNotAdmitted): M._not_admitted,
+    (S.STOPPING, LoadNotAdmitted): M._worker_gone_while_stopping,
     (S.READY, WorkerExited): M._crashed_while_ready,
     (S.UNLOADING, SleepCompleted): M._unloaded,
     (S.UNLOADING, WorkerExited): M._unloaded,

@@ -15,6 +15,7 @@ from statemachine import (
     FailRequests,
     IdleTimerFired,
     InvalidTransition,
+    LoadNotAdmitted,
     PolicyChanged,
     Policy,
     Reject,
@@ -84,6 +85,7 @@ def test_every_row_is_exercised_and_returns_commands():
         RequestFinished: RequestFinished("r"), RequestAbandoned: RequestAbandoned("r"),
         IdleTimerFired: IdleTimerFired(0), RetryTimerFired: RetryTimerFired(0), SleepRequested: SleepRequested(1),
         WakeRequested: WakeRequested(1), StopRequested: StopRequested(), PolicyChanged: PolicyChanged(Policy()),
+        LoadNotAdmitted: LoadNotAdmitted("x"),
     }
     for (state, event_type) in TRANSITIONS:
         m = machine_in(state)
@@ -98,7 +100,7 @@ def test_an_event_without_a_row_raises():
         m = machine_in(state)
         sample = {Started: Started(), WorkerReady: WorkerReady(1), WorkerLoadFailed: WorkerLoadFailed("x"),
                   WorkerExited: WorkerExited("x"), SleepCompleted: SleepCompleted(),
-                  RequestFinished: RequestFinished("r")}[event_type]
+                  RequestFinished: RequestFinished("r"), LoadNotAdmitted: LoadNotAdmitted("x")}[event_type]
         with pytest.raises(InvalidTransition):
             m.handle(sample)
 
@@ -281,3 +283,26 @@ def test_start_and_stop_commands_carry_their_reason():
     assert m.handle(RetryTimerFired(m.retry_generation)) == [StartWorker("retry")]
     m.handle(WorkerReady(2))
     assert StopWorker("shutdown") in m.handle(StopRequested())
+
+
+def test_load_not_admitted_sleeps_and_rejects_the_waiters_with_its_reason():
+    from statemachine import LoadNotAdmitted
+
+    m = machine_in(S.SLEEPING)
+    m.handle(RequestArrived("r1"))
+    assert m.state is S.WAKING
+    commands = m.handle(LoadNotAdmitted("model b needs 4096 MiB", "insufficient_memory", 5.0))
+    assert m.state is S.SLEEPING and not m.waiting and not m.worker_up
+    assert commands == [Reject(("r1",), "model b needs 4096 MiB", "insufficient_memory", 5.0)]
+    # The next request tries again.
+    assert kinds(m.handle(RequestArrived("r2"))) == [StartWorker]
+
+
+def test_eviction_is_a_sleep_with_its_own_reason():
+    m = machine_in(S.READY)
+    commands = m.handle(SleepRequested(7, reason="evict"))
+    assert m.state is S.UNLOADING
+    assert StopWorker("evict") in commands and Reply(7, True, "going to sleep") in commands
+    busy = machine_in(S.READY)
+    busy.handle(RequestArrived("r"))
+    assert busy.handle(SleepRequested(8, reason="evict"))[0].ok is False  # never a busy model

@@ -27,6 +27,7 @@ from statemachine import (
     Exit,
     FailRequests,
     IdleTimerFired,
+    LoadNotAdmitted,
     PolicyChanged,
     Policy,
     Reject,
@@ -48,7 +49,7 @@ from statemachine import (
     WorkerReady,
 )
 
-OUTCOMES = (WorkerReady, WorkerLoadFailed, WorkerExited, SleepCompleted)
+OUTCOMES = (WorkerReady, WorkerLoadFailed, LoadNotAdmitted, WorkerExited, SleepCompleted)
 
 
 class SimulatedDaemon:
@@ -159,9 +160,13 @@ class SimulatedDaemon:
 
     def finish_start(self) -> None:
         self.start_task = False
-        if self.worker == "loading" and self.rng.random() < 0.8:
+        roll = self.rng.random()
+        if self.worker == "loading" and roll < 0.7:
             self.worker = "serving"
             self.mailbox.append(WorkerReady(2))
+        elif roll < 0.85:  # the fleet did not admit it: no worker was started
+            self.worker = None
+            self.mailbox.append(LoadNotAdmitted("does not fit", "insufficient_memory", 1.0))
         else:
             self.worker = None
             self.mailbox.append(WorkerLoadFailed("boom"))
@@ -207,7 +212,7 @@ class SimulatedDaemon:
             self.mailbox.append(RequestAbandoned(rid))
 
     def admin_sleep(self) -> None:
-        self.mailbox.append(SleepRequested(1))
+        self.mailbox.append(SleepRequested(1, self.rng.choice(["admin", "evict"])))
 
     def admin_wake(self) -> None:
         self.mailbox.append(WakeRequested(1))
