@@ -98,6 +98,7 @@ class Controller:
         self.nvml = Nvml()
         self.stopped = asyncio.Event()
         self.state_listeners: list[Callable[[ServerState, ServerState], None]] = []
+        self.event_listeners: list[Callable[[Event], None]] = []  # after each decided event (the fleet re-plans)
 
         self.model_info: dict[str, Any] = {}
         self.n_ctx_slot = 0
@@ -135,9 +136,9 @@ class Controller:
     def post(self, event: Event) -> None:
         self.mailbox.put_nowait(event)
 
-    async def run(self) -> None:
+    async def run(self, load_at_start: bool = True) -> None:
         """The owner task: decide every event in order."""
-        self.post(Started())
+        self.post(Started(load=load_at_start))
         while True:
             event = await self.mailbox.get()
             before = self.state
@@ -158,6 +159,8 @@ class Controller:
             if isinstance(event, RequestAbandoned) and event.request_id not in self.machine.in_flight:
                 self.jobs.pop(event.request_id, None)
             self._after_event(event)
+            for listener in self.event_listeners:
+                listener(event)
             if any(isinstance(c, Exit) for c in commands):
                 break
         self._cancel_timers()

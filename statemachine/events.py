@@ -11,7 +11,10 @@ class Event:
 
 @dataclass(frozen=True)
 class Started(Event):
-    """The daemon is up and HTTP is bound: begin the first load."""
+    """The daemon is up and HTTP is bound: begin the first load, or (a fleet's
+    model that is not the default nor pinned) sleep until the first request."""
+
+    load: bool = True
 
 
 @dataclass(frozen=True)

@@ -138,6 +138,9 @@ class ServerMachine:
         return []
 
     def _begin_first_load(self, event: Started) -> list[Command]:
+        if not event.load:
+            self.state = S.SLEEPING
+            return []
         return self._start_worker(S.LOADING, "startup")
 
     def _worker_ready(self, event: WorkerReady) -> list[Command]:

@@ -10,6 +10,7 @@ Behaviour comes from the environment:
   FAKE_LOAD_COUNTER       file to append a line to on every Load (counts wakes)
   FAKE_TEARDOWN_SECONDS   time the ordered teardown takes (default 0)
   FAKE_HANG_AFTER_TOKENS  stop itself (SIGSTOP) after emitting this many tokens in total
+  FAKE_MODEL_BYTES        the model bytes it reports having loaded (default 1000; its context is 100 more)
 """
 
 from __future__ import annotations
@@ -50,10 +51,13 @@ def main() -> int:
         channel.send(p.Error(os.environ["FAKE_LOAD_ERROR"], during="load"))
         return 3
     spec = message.spec
-    phases = [p.Phase("backend", 0.0), p.Phase("model", time.perf_counter() - start, 1000), p.Phase("context", 0.0, 100)]
-    channel.send(p.Ready(spec.parallel, spec.ctx_size, spec.ctx_size // spec.parallel, phases,
-                         {"path": spec.model, "fake": True,
-                          "memory_by_device": {"model": {"CPU": 1000}, "context": {"CPU": 100}}}, {"model": 1000, "context": 100}))
+    model_bytes = int(os.environ.get("FAKE_MODEL_BYTES", "1000"))
+    phases = [p.Phase("backend", 0.0), p.Phase("model", time.perf_counter() - start, model_bytes),
+              p.Phase("context", 0.0, 100)]
+    info = {"path": spec.model, "fake": True,
+            "memory_by_device": {"model": {"CPU": model_bytes}, "context": {"CPU": 100}}}
+    channel.send(p.Ready(spec.parallel, spec.ctx_size, spec.ctx_size // spec.parallel, phases, info,
+                         {"model": model_bytes, "context": 100}))
 
     crash_after = int(os.environ.get("FAKE_CRASH_AFTER_TOKENS", "0"))
     hang_after = int(os.environ.get("FAKE_HANG_AFTER_TOKENS", "0"))

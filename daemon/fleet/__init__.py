@@ -1,0 +1,1 @@
+"""Several models behind one endpoint: routing by name, admission by memory."""

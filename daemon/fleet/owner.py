@@ -1,0 +1,233 @@
+"""The fleet: several models behind one endpoint, admitted by memory.
+
+Each model has its own controller (state machine, worker, idle timer), as a
+single model has. What the fleet adds is the one decision no model can take
+alone: which models may hold memory at once. The planner
+(statemachine.fleet.plan_load) decides; this owner carries the decisions out
+from one task, one pending load at a time in the order they were asked for
+(so a big model waiting for busy ones to finish is not overtaken forever by
+small ones), and re-plans whenever any model's state or load changes.
+
+A model's controller asks `admit(model_id)` before it starts a worker; the
+answer comes when the load may start (after evictions, if any), or as a
+LoadNotAdmitted when it can never fit or did not fit within wake_timeout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from daemon.controller import Controller
+from daemon.fleet.metrics import FleetMetrics
+from statemachine import Event, LoadNotAdmitted, RequestArrived, ServerState, SleepRequested
+from statemachine.fleet import EvictFirst, ModelView, Refuse, StartNow, Wait, plan_load
+
+S = ServerState
+# A model holds memory in these states whether or not the fleet admitted it
+# (a worker is up: serving, tearing down, or draining at shutdown).
+HOLDING = frozenset({S.READY, S.UNLOADING, S.STOPPING})
+STATUS = {S.STARTING: "sleeping", S.LOADING: "loading", S.WAKING: "loading", S.READY: "loaded",
+          S.UNLOADING: "unloading", S.SLEEPING: "sleeping", S.FAILED: "failed", S.STOPPING: "unloading"}
+RETRY_AFTER_NO_ROOM = 5.0
+
+
+class UnknownModel(KeyError):
+    def __init__(self, name: str, known: list[str]) -> None:
+        super().__init__(name)
+        self.message = f"model {name!r} does not exist; this server has {', '.join(known)}"
+
+
+@dataclass
+class FleetModel:
+    id: str
+    controller: Controller
+    predicted_bytes: int
+    aliases: tuple[str, ...] = ()
+    pinned: bool = False
+    load_at_start: bool = False
+    measured_bytes: int | None = None
+    measured_components: dict[str, int] | None = None
+    last_used: float = 0.0
+    admitted: bool = False  # allowed to load; cleared when its worker is gone
+
+    @property
+    def bytes(self) -> int:
+        return self.measured_bytes if self.measured_bytes is not None else self.predicted_bytes
+
+    @property
+    def status(self) -> str:
+        return STATUS[self.controller.state]
+
+
+class Fleet:
+    def __init__(self, models: list[FleetModel], default: str, budget: int, wake_timeout: float,
+                 metrics: FleetMetrics, log, on_measured: Callable[[FleetModel], None] | None = None) -> None:
+        self.models = {m.id: m for m in models}
+        self.default = default
+        self.budget = budget
+        self.wake_timeout = wake_timeout
+        self.metrics = metrics
+        self.log = log
+        self.on_measured = on_measured
+        self._names: dict[str, FleetModel] = {}
+        for m in models:
+            for name in (m.id, *m.aliases):
+                self._names[name] = m
+        self._pending: deque[tuple[str, asyncio.Future]] = deque()
+        self._waited: set[asyncio.Future] = set()
+        self._last_wait: dict[str, str] = {}
+        self._changed = asyncio.Event()
+        self._most_loading = 0
+        for m in models:
+            self._attach(m)
+        metrics.budget_bytes.set(budget)
+        for m in models:
+            metrics.footprint_bytes.labels(model=m.id, source="predicted").set(m.predicted_bytes)
+
+    # -- routing --------------------------------------------------------------------
+
+    def route(self, name: str | None) -> FleetModel:
+        """The model a request names (id or alias). No name, or a fleet of one: the default."""
+        if name is None or len(self.models) == 1:
+            return self.models[self.default]
+        model = self._names.get(name)
+        if model is None:
+            raise UnknownModel(name, list(self.models))
+        return model
+
+    @property
+    def controllers(self) -> list[Controller]:
+        return [m.controller for m in self.models.values()]
+
+    # -- admission ------------------------------------------------------------------
+
+    async def admit(self, model_id: str) -> LoadNotAdmitted | None:
+        """Wait until `model_id` may load; None when it may, else why not."""
+        future = asyncio.get_running_loop().create_future()
+        self._pending.append((model_id, future))
+        self._changed.set()
+        try:
+            return await asyncio.wait_for(asyncio.shield(future), self.wake_timeout)
+        except asyncio.TimeoutError:
+            if future.done():
+                return future.result()
+            future.cancel()  # the owner drops it from the queue
+            self.metrics.admission_refusals.labels(model=model_id, reason="timeout").inc()
+            reason = self._last_wait.get(model_id, "the memory did not come free")
+            self.log.warning("fleet.admission_timeout", model=model_id, reason=reason)
+            return LoadNotAdmitted(f"model {model_id} could not be loaded within {self.wake_timeout:g}s "
+                                   f"(wake_timeout): {reason}", "insufficient_memory", RETRY_AFTER_NO_ROOM)
+        finally:
+            if not future.done():
+                future.cancel()
+            self._changed.set()
+
+    async def run(self) -> None:
+        """The owner task: re-plan the head of the queue whenever anything changes."""
+        while True:
+            await self._changed.wait()
+            self._changed.clear()
+            self._plan()
+
+    def _plan(self) -> None:
+        while self._pending:
+            model_id, future = self._pending[0]
+            if future.done():  # timed out or called off
+                self._pending.popleft()
+                continue
+            model = self.models[model_id]
+            decision = plan_load(model_id, self.views(), self.budget)
+            if isinstance(decision, StartNow):
+                self._pending.popleft()
+                model.admitted = True
+                self._last_wait.pop(model_id, None)
+                self.log.info("fleet.admit", model=model_id, bytes=model.bytes, planned=self.planned_bytes())
+                future.set_result(None)
+                self._update_gauges()
+                continue  # the next pending load now sees this one loading, and waits
+            if isinstance(decision, Refuse):
+                self._pending.popleft()
+                self.metrics.admission_refusals.labels(model=model_id, reason="never_fits").inc()
+                self.log.warning("fleet.refuse", model=model_id, reason=decision.reason)
+                future.set_result(LoadNotAdmitted(decision.reason, "model_too_large", None))
+                continue
+            if future not in self._waited:
+                self._waited.add(future)
+                self.metrics.admission_waits.labels(model=model_id).inc()
+            if isinstance(decision, EvictFirst):
+                self._last_wait[model_id] = f"putting {', '.join(decision.victims)} to sleep"
+                for victim in decision.victims:
+                    self.log.info("fleet.evict", model=victim, for_model=model_id)
+                    self.models[victim].controller.post(SleepRequested(0, reason="evict"))
+            elif isinstance(decision, Wait):
+                self._last_wait[model_id] = decision.reason
+            return  # the head waits; the ones behind it wait their turn
+
+    # -- what the planner sees ----------------------------------------------------------
+
+    def views(self) -> dict[str, ModelView]:
+        views = {}
+        for m in self.models.values():
+            state = m.controller.state
+            views[m.id] = ModelView(m.id, m.bytes, m.admitted or state in HOLDING, state, m.last_used,
+                                    busy=m.controller.machine.busy, pinned=m.pinned)
+        return views
+
+    def planned_bytes(self) -> int:
+        return sum(v.bytes for v in self.views().values() if v.resident)
+
+    def _update_gauges(self) -> None:
+        loading = sum(1 for m in self.models.values() if m.admitted and m.controller.state in (S.LOADING, S.WAKING))
+        self.metrics.loads_in_progress.set(loading)
+        self._most_loading = max(self._most_loading, loading)
+        self.metrics.loads_in_progress_max.set(self._most_loading)
+        self.metrics.planned_bytes.set(self.planned_bytes())
+
+    # -- listening to each model ----------------------------------------------------------
+
+    def _attach(self, model: FleetModel) -> None:
+        controller = model.controller
+
+        def on_event(event: Event) -> None:
+            if isinstance(event, RequestArrived):
+                model.last_used = time.monotonic()
+            self._changed.set()
+
+        def on_state(before: S, after: S) -> None:
+            if after in (S.SLEEPING, S.FAILED):
+                model.admitted = False  # its worker is gone, and so is its memory
+            if after is S.UNLOADING and isinstance(controller.machine.last_event, SleepRequested) \
+                    and controller.machine.last_event.reason == "evict":
+                self.metrics.evictions.labels(model=model.id).inc()
+            if after is S.READY and before is not S.READY:
+                self._measured(model)
+            self._update_gauges()
+
+        controller.event_listeners.append(on_event)
+        controller.state_listeners.append(on_state)
+        controller.admission = lambda: self.admit(model.id)
+
+    def _measured(self, model: FleetModel) -> None:
+        by_device: dict[str, dict[str, int]] = model.controller.model_info.get("memory_by_device") or {}
+        components = {component: sum(devices.values()) for component, devices in by_device.items()}
+        if not components:
+            return
+        model.measured_components = components
+        model.measured_bytes = sum(components.values())
+        self.metrics.footprint_bytes.labels(model=model.id, source="measured").set(model.measured_bytes)
+        self.metrics.footprint_error_ratio.labels(model=model.id).set(
+            (model.predicted_bytes - model.measured_bytes) / model.measured_bytes)
+        if self.on_measured is not None:
+            self.on_measured(model)
+
+    # -- what /v1/models and the CLI show -----------------------------------------------------
+
+    def describe(self, model: FleetModel) -> dict[str, Any]:
+        return {"id": model.id, "aliases": list(model.aliases), "status": model.status,
+                "state": str(model.controller.state), "pinned": model.pinned,
+                "footprint_bytes": {"predicted": model.predicted_bytes, "measured": model.measured_bytes},
+                "default": model.id == self.default}
