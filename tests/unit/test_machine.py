@@ -306,3 +306,9 @@ def test_eviction_is_a_sleep_with_its_own_reason():
     busy = machine_in(S.READY)
     busy.handle(RequestArrived("r"))
     assert busy.handle(SleepRequested(8, reason="evict"))[0].ok is False  # never a busy model
+
+
+def test_a_lazy_model_starts_asleep_and_loads_on_its_first_request():
+    m = ServerMachine(Policy())
+    assert m.handle(Started(load=False)) == [] and m.state is S.SLEEPING
+    assert kinds(m.handle(RequestArrived("r"))) == [StartWorker] and m.state is S.WAKING
