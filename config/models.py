@@ -1,0 +1,121 @@
+"""Several models: one `[models.ID]` table per model, and the memory budget.
+
+A table sets what differs for that model; every key it leaves out takes the
+top-level value, so a fleet shares its defaults (threads, ctx_size, ...)
+without repeating them. Without any table, the top-level keys describe a
+fleet of one, as before the fleet existed.
+
+    memory_budget = "20GiB"
+    default_model = "chat"
+
+    [models.chat]
+    path = "/models/qwen2.5-7b-instruct-q4_k_m.gguf"
+    aliases = ["gpt-4o-mini"]
+    pinned = true
+
+    [models.coder]
+    path = "/models/qwen2.5-coder-7b-q4_k_m.gguf"
+    ctx_size = 16384
+    sleep_idle_seconds = 120
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+MODEL_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
+_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+# The keys a [models.ID] table may set; the rest of the settings are the daemon's.
+PER_MODEL_KEYS = ("model_draft", "mmproj", "ctx_size", "parallel", "threads", "n_gpu_layers", "batch_size",
+                  "chat_template_file", "draft_max", "draft_min", "draft_p_min", "cpu_repack", "warmup",
+                  "sleep_idle_seconds", "spawn_ahead")
+
+
+def parse_size(value: int | str) -> int:
+    """Bytes from an int or a size string: "20GiB", "512 MB", "1.5GiB"."""
+    if isinstance(value, bool):
+        raise ValueError("a size is a number of bytes or a string such as '20GiB'")
+    if isinstance(value, int):
+        if value <= 0:
+            raise ValueError("must be more than 0 bytes")
+        return value
+    match = _SIZE.match(str(value))
+    if not match:
+        raise ValueError(f"{value!r} is not a size (use bytes, or a number with B, KB, MB, GB, KiB, MiB, GiB, TiB)")
+    size = int(float(match.group(1)) * _UNITS[(match.group(2) or "b").lower()])
+    if size <= 0:
+        raise ValueError("must be more than 0 bytes")
+    if size > 2**60:
+        raise ValueError(f"{value!r} is larger than any machine")
+    return size
+
+
+class ModelSettings(BaseModel):
+    """One `[models.ID]` table. None: the top-level value applies."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    path: Path | None = Field(None, description="GGUF file; empty means the bundled Gemma 3 270M")
+    aliases: list[str] = Field(default_factory=list, max_length=32, description="other names requests may use")
+    pinned: bool = Field(False, description="never put to sleep to make room for another model")
+    model_draft: Path | None = None
+    mmproj: Path | None = None
+    ctx_size: int | None = Field(None, ge=64, le=2**24)
+    parallel: int | None = Field(None, ge=1, le=256)
+    threads: int | None = Field(None, ge=1, le=1024)
+    n_gpu_layers: int | None = Field(None, ge=-1, le=100_000)
+    batch_size: int | None = Field(None, ge=1, le=65536)
+    chat_template_file: Path | None = None
+    draft_max: int | None = Field(None, ge=1, le=1024)
+    draft_min: int | None = Field(None, ge=0, le=1024)
+    draft_p_min: float | None = Field(None, ge=0.0, le=1.0)
+    cpu_repack: bool | None = None
+    warmup: bool | None = None
+    sleep_idle_seconds: float | None = None
+    spawn_ahead: bool | None = None
+
+    @field_validator("aliases")
+    @classmethod
+    def _names(cls, aliases: list[str]) -> list[str]:
+        for alias in aliases:
+            if not MODEL_ID.match(alias):
+                raise ValueError(f"alias {alias!r} must be 1-128 letters, digits, '.', '_', ':' or '-'")
+        return aliases
+
+    @field_validator("sleep_idle_seconds")
+    @classmethod
+    def _idle(cls, value: float | None) -> float | None:
+        if value is not None and value < 0 and value != -1:
+            raise ValueError("must be >= 0, or -1 for never")
+        return value
+
+    @field_validator("path", "model_draft", "mmproj", "chat_template_file", mode="before")
+    @classmethod
+    def _empty_path_is_none(cls, value: Any) -> Any:
+        return None if value == "" else value
+
+    def overrides(self) -> dict[str, Any]:
+        """The settings this table changes, under the top-level names."""
+        out = {key: getattr(self, key) for key in PER_MODEL_KEYS if getattr(self, key) is not None}
+        if self.path is not None:
+            out["model"] = self.path
+        return out
+
+
+def check_model_ids(models: dict[str, ModelSettings]) -> None:
+    """Ids and aliases are names requests use: valid and unique across the fleet."""
+    seen: dict[str, str] = {}
+    for model_id, table in models.items():
+        if not MODEL_ID.match(model_id):
+            raise ValueError(f"model id {model_id!r} must be 1-128 letters, digits, '.', '_', ':' or '-'")
+        for name in (model_id, *table.aliases):
+            if name in seen and seen[name] != model_id:
+                raise ValueError(f"the name {name!r} is used by both {seen[name]} and {model_id}")
+            seen[name] = model_id
