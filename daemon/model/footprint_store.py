@@ -1,0 +1,142 @@
+"""Measured footprints, kept in the state directory for the next start.
+
+After a load the worker reports what each component holds; those bytes beat
+any prediction, so they are kept under a key that names exactly what was
+loaded: each file's path, size and mtime, and every setting that changes
+the bytes. A changed file or setting makes a new key, never a stale hit.
+
+One small JSON file, written atomically (temporary file, fsync, rename,
+fsync of the directory) and bounded (the least recently put entries go
+first). A file that does not read or does not have the expected shape is
+logged and ignored, then replaced by the next put: a measurement is an
+optimisation, never a reason to fail.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+import threading
+from pathlib import Path
+from typing import Any
+
+FILE_NAME = "footprints.json"
+FORMAT_VERSION = 1
+MAX_ENTRIES = 256
+MAX_FILE_BYTES = 4 * 1024 * 1024  # 256 entries take about 100 KB
+
+
+def _file_identity(path: str | Path | None) -> str | None:
+    """Raises OSError when the file cannot be stat'ed: there is nothing to load then."""
+    if path is None:
+        return None
+    resolved = Path(path).resolve()
+    stat = resolved.stat()
+    return f"{resolved}:{stat.st_size}:{stat.st_mtime_ns}"
+
+
+def footprint_key(model_path: str | Path, ctx_size: int, parallel: int, cache_type_k: str = "f16",
+                  cache_type_v: str = "f16", model_draft: str | Path | None = None, mmproj: str | Path | None = None,
+                  n_gpu_layers: int = -1, *, batch_size: int = 512, draft_max: int = 16) -> str:
+    """A stable key for one load configuration (batch_size and draft_max size the
+    compute and output buffers, so they are part of it too)."""
+    identity = {
+        "model": _file_identity(model_path), "model_draft": _file_identity(model_draft),
+        "mmproj": _file_identity(mmproj), "ctx_size": ctx_size, "parallel": parallel,
+        "cache_type_k": cache_type_k.lower(), "cache_type_v": cache_type_v.lower(), "n_gpu_layers": n_gpu_layers,
+        "batch_size": batch_size, "draft_max": draft_max if model_draft else None,
+    }
+    return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()
+
+
+def _valid_components(value: Any) -> bool:
+    return isinstance(value, dict) and all(
+        isinstance(name, str) and isinstance(size, int) and not isinstance(size, bool) and size >= 0
+        for name, size in value.items())
+
+
+class FootprintStore:
+    """The file is read once, at first use, and rewritten on every put: one daemon
+    owns its state directory, and a put happens once per load."""
+
+    def __init__(self, state_dir: Path, logger: Any = None, max_entries: int = MAX_ENTRIES) -> None:
+        self.path = Path(state_dir) / FILE_NAME
+        self.log = logger
+        self.max_entries = max_entries
+        self._entries: dict[str, dict[str, int]] | None = None  # put order: oldest first
+        self._lock = threading.Lock()
+
+    def get(self, key: str) -> dict[str, int] | None:
+        with self._lock:
+            components = self._loaded().get(key)
+            return dict(components) if components is not None else None
+
+    def put(self, key: str, components: dict[str, int]) -> None:
+        if not _valid_components(components):
+            raise ValueError(f"components must map names to non-negative integers, got {components!r}")
+        with self._lock:
+            entries = self._loaded()
+            entries.pop(key, None)
+            entries[key] = dict(components)
+            while len(entries) > self.max_entries:
+                del entries[next(iter(entries))]
+            self._write(entries)
+
+    # -- the file --
+
+    def _warn(self, event: str, **fields: Any) -> None:
+        if self.log is not None:
+            self.log.warning(event, path=str(self.path), **fields)
+
+    def _loaded(self) -> dict[str, dict[str, int]]:
+        if self._entries is None:
+            self._entries = self._read()
+        return self._entries
+
+    def _read(self) -> dict[str, dict[str, int]]:
+        try:
+            with self.path.open("rb") as f:
+                raw = f.read(MAX_FILE_BYTES + 1)
+            if len(raw) > MAX_FILE_BYTES:
+                raise ValueError(f"larger than {MAX_FILE_BYTES} bytes")
+            data = json.loads(raw)
+        except FileNotFoundError:
+            return {}
+        # ValueError: bad JSON or UTF-8; RecursionError: absurdly nested JSON
+        except (OSError, ValueError, RecursionError) as exc:
+            self._warn("footprint_store.unreadable", error=str(exc) or type(exc).__name__)
+            return {}
+        entries = data.get("entries") if isinstance(data, dict) and data.get("version") == FORMAT_VERSION else None
+        if not isinstance(entries, dict) or not all(isinstance(k, str) and _valid_components(v)
+                                                    for k, v in entries.items()):
+            self._warn("footprint_store.wrong_shape", error=f"expected version {FORMAT_VERSION} with entries")
+            return {}
+        return dict(list(entries.items())[-self.max_entries:])
+
+    def _write(self, entries: dict[str, dict[str, int]]) -> None:
+        payload = json.dumps({"version": FORMAT_VERSION, "entries": entries}, indent=1).encode()
+        tmp_name = None
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp_name = tempfile.mkstemp(dir=self.path.parent, prefix=f".{FILE_NAME}.", suffix=".tmp")
+            with os.fdopen(fd, "wb") as f:
+                f.write(payload)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp_name, self.path)
+            tmp_name = None
+            dir_fd = os.open(self.path.parent, os.O_RDONLY)
+            try:
+                os.fsync(dir_fd)  # the rename itself survives a crash
+            finally:
+                os.close(dir_fd)
+        except OSError as exc:
+            self._warn("footprint_store.write_failed", error=str(exc))
+        finally:
+            if tmp_name is not None:
+                try:
+                    os.unlink(tmp_name)
+                except OSError:
+                    pass

@@ -1,0 +1,359 @@
+"""Read a GGUF file's header: metadata and tensor infos, never the weights.
+
+The daemon sizes a model before loading it, so it reads the header itself:
+plain struct over the file, no llama.cpp, no numpy. The file is untrusted
+input: every count and length is checked against what the rest of the file
+could hold before anything is allocated or looped over, and any problem is
+one GgufError naming the file and the offset.
+
+Long arrays (the 262k-token vocabulary, its scores and merges) are walked
+past, not decoded: only their element type and length are kept.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import BinaryIO, Union
+
+MAGIC = b"GGUF"
+SUPPORTED_VERSIONS = (2, 3)  # v1 used 32-bit counts; llama.cpp no longer reads it
+DEFAULT_ALIGNMENT = 32
+
+# Arrays up to this many elements are decoded; per-layer arrays (head counts,
+# sliding-window flags) of any real model fit, vocabularies do not.
+MAX_KEPT_ARRAY = 1024
+MAX_NESTING = 8
+MAX_KEY_BYTES = 65535  # the GGUF spec's limit for a key
+MAX_STRING_BYTES = 16 * 1024 * 1024  # a chat template is tens of KB
+MAX_TENSOR_NAME_BYTES = 63  # GGML_MAX_NAME is 64 including the NUL
+MAX_DIMS = 4  # GGML_MAX_DIMS
+MAX_TENSORS = 1 << 20
+MAX_KEYS = 1 << 20
+_READ_BLOCK = 1 << 20
+
+
+class GgufError(ValueError):
+    """The file is not a GGUF file this reader accepts; the message says why."""
+
+
+# ggml type id -> (name, elements per block, bytes per block), from ggml.h and
+# ggml-common.h. Ids 4, 5 (Q4_2, Q4_3), 31-33 and 36-38 (repacked layouts)
+# were removed from ggml; llama.cpp refuses files that use them, and so do we.
+GGML_TYPES: dict[int, tuple[str, int, int]] = {
+    0: ("F32", 1, 4),
+    1: ("F16", 1, 2),
+    2: ("Q4_0", 32, 18),
+    3: ("Q4_1", 32, 20),
+    6: ("Q5_0", 32, 22),
+    7: ("Q5_1", 32, 24),
+    8: ("Q8_0", 32, 34),
+    9: ("Q8_1", 32, 36),  # two fp16 (d, s) + 32 int8
+    10: ("Q2_K", 256, 84),
+    11: ("Q3_K", 256, 110),
+    12: ("Q4_K", 256, 144),
+    13: ("Q5_K", 256, 176),
+    14: ("Q6_K", 256, 210),
+    15: ("Q8_K", 256, 292),
+    16: ("IQ2_XXS", 256, 66),
+    17: ("IQ2_XS", 256, 74),
+    18: ("IQ3_XXS", 256, 98),
+    19: ("IQ1_S", 256, 50),
+    20: ("IQ4_NL", 32, 18),
+    21: ("IQ3_S", 256, 110),
+    22: ("IQ2_S", 256, 82),
+    23: ("IQ4_XS", 256, 136),
+    24: ("I8", 1, 1),
+    25: ("I16", 1, 2),
+    26: ("I32", 1, 4),
+    27: ("I64", 1, 8),
+    28: ("F64", 1, 8),
+    29: ("IQ1_M", 256, 56),
+    30: ("BF16", 1, 2),
+    34: ("TQ1_0", 256, 54),
+    35: ("TQ2_0", 256, 66),
+    39: ("MXFP4", 32, 17),
+    40: ("NVFP4", 64, 36),
+    41: ("Q1_0", 128, 18),
+}
+GGML_TYPE_IDS = {name: type_id for type_id, (name, _, _) in GGML_TYPES.items()}
+
+
+def ggml_row_bytes(ggml_type: int, n_elements: int) -> int:
+    """Bytes for n_elements of one type, rounding a partial block up (llama.cpp
+    refuses partial blocks in tensors; the KV-cache estimate may meet one)."""
+    _, block, size = GGML_TYPES[ggml_type]
+    return -(-n_elements // block) * size
+
+
+# GGUF metadata value types
+UINT8, INT8, UINT16, INT16, UINT32, INT32, FLOAT32, BOOL, STRING, ARRAY, UINT64, INT64, FLOAT64 = range(13)
+_SCALARS = {
+    UINT8: struct.Struct("<B"), INT8: struct.Struct("<b"), UINT16: struct.Struct("<H"), INT16: struct.Struct("<h"),
+    UINT32: struct.Struct("<I"), INT32: struct.Struct("<i"), FLOAT32: struct.Struct("<f"), BOOL: struct.Struct("<B"),
+    UINT64: struct.Struct("<Q"), INT64: struct.Struct("<q"), FLOAT64: struct.Struct("<d"),
+}
+_U32 = _SCALARS[UINT32]
+_U64 = _SCALARS[UINT64]
+_STRING_MIN_BYTES = 8  # its length
+_ARRAY_MIN_BYTES = 12  # element type and length
+
+
+@dataclass(frozen=True)
+class SkippedArray:
+    """A long array that was walked past: what it holds and how many."""
+
+    element_type: int
+    length: int
+
+
+Value = Union[int, float, bool, str, tuple, SkippedArray]
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    name: str
+    dims: tuple[int, ...]
+    ggml_type: int
+    offset: int  # from the start of the data section
+    n_bytes: int
+
+    @property
+    def type_name(self) -> str:
+        return GGML_TYPES[self.ggml_type][0]
+
+
+@dataclass(frozen=True)
+class GgufHeader:
+    path: Path
+    version: int
+    file_size: int
+    data_offset: int
+    metadata: dict[str, Value]
+    tensors: tuple[TensorInfo, ...]
+
+    @property
+    def tensor_bytes(self) -> int:
+        return sum(t.n_bytes for t in self.tensors)
+
+
+class _Cursor:
+    """Reads the file in blocks; every read is checked against the file's size."""
+
+    def __init__(self, f: BinaryIO, path: Path, size: int) -> None:
+        self.f, self.path, self.size = f, path, size
+        self.pos = 0
+        self._buf = b""
+        self._buf_start = 0
+
+    def error(self, problem: str) -> GgufError:
+        return GgufError(f"{self.path}: {problem}")
+
+    def remaining(self) -> int:
+        return self.size - self.pos
+
+    def _window(self, n: int) -> int:
+        """Make bytes [pos, pos+n) available; returns their index in the buffer."""
+        if n > self.remaining():
+            raise self.error(f"truncated: {n} bytes needed at offset {self.pos}, the file has {self.size}")
+        start = self.pos - self._buf_start
+        if start < 0 or start + n > len(self._buf):
+            self.f.seek(self.pos)
+            self._buf = self.f.read(max(n, _READ_BLOCK))
+            self._buf_start = self.pos
+            start = 0
+            if len(self._buf) < n:
+                raise self.error(f"truncated while reading at offset {self.pos} (did the file change?)")
+        return start
+
+    def unpack(self, fmt: struct.Struct) -> int | float:
+        start = self._window(fmt.size)
+        self.pos += fmt.size
+        return fmt.unpack_from(self._buf, start)[0]
+
+    def take(self, n: int) -> bytes:
+        start = self._window(n)
+        self.pos += n
+        return self._buf[start:start + n]
+
+    def skip(self, n: int) -> None:
+        if n > self.remaining():
+            raise self.error(f"truncated: {n} bytes to skip at offset {self.pos}, the file has {self.size}")
+        self.pos += n
+
+
+def read_header(path: str | Path) -> GgufHeader:
+    """Parse a GGUF v2/v3 header. Raises GgufError (also for an unreadable file)."""
+    path = Path(path)
+    try:
+        with path.open("rb") as f:
+            size = f.seek(0, 2)
+            return _parse(_Cursor(f, path, size))
+    except OSError as exc:
+        raise GgufError(f"{path}: cannot be read: {exc.strerror or exc}") from None
+
+
+def _parse(cur: _Cursor) -> GgufHeader:
+    magic = cur.take(4) if cur.size >= 4 else b""
+    if magic != MAGIC:
+        raise cur.error(f"not a GGUF file (starts with {bytes(magic[:4])!r}, expected {MAGIC!r})")
+    version = cur.unpack(_U32)
+    if version not in SUPPORTED_VERSIONS:
+        if int.from_bytes(version.to_bytes(4, "little"), "big") in SUPPORTED_VERSIONS:
+            raise cur.error("big-endian GGUF files are not supported")
+        raise cur.error(f"GGUF version {version} is not supported (only {SUPPORTED_VERSIONS})")
+    n_tensors = cur.unpack(_U64)
+    n_keys = cur.unpack(_U64)
+    # Each key holds at least a 1-byte name, its length, a type and a 1-byte value.
+    _check_count(cur, n_keys, MAX_KEYS, _STRING_MIN_BYTES + 1 + 4 + 1, "metadata keys")
+    metadata: dict[str, Value] = {}
+    for _ in range(n_keys):
+        at = cur.pos
+        key = _read_name(cur, MAX_KEY_BYTES, "key")
+        if key in metadata:
+            raise cur.error(f"duplicate metadata key {key!r} at offset {at}")
+        metadata[key] = _read_value(cur, cur.unpack(_U32), depth=0)
+
+    # A tensor info holds at least a 1-byte name, n_dims, one dim, a type and an offset.
+    _check_count(cur, n_tensors, MAX_TENSORS, _STRING_MIN_BYTES + 1 + 4 + 8 + 4 + 8, "tensors")
+    infos = [_read_tensor_info(cur) for _ in range(n_tensors)]
+
+    alignment = metadata.get("general.alignment", DEFAULT_ALIGNMENT)
+    if isinstance(alignment, bool) or not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1):
+        raise cur.error(f"general.alignment {alignment!r} is not a positive power of two")
+    data_offset = -(-cur.pos // alignment) * alignment
+    tensors = _place_tensors(cur, infos, data_offset, alignment)
+    return GgufHeader(cur.path, version, cur.size, data_offset, metadata, tensors)
+
+
+def _check_count(cur: _Cursor, count: int, cap: int, min_bytes_each: int, what: str) -> None:
+    if count > cap or count * min_bytes_each > cur.remaining():
+        raise cur.error(f"{count} {what} at offset {cur.pos} cannot fit in a file of {cur.size} bytes")
+
+
+def _read_name(cur: _Cursor, max_bytes: int, what: str) -> str:
+    at = cur.pos
+    n = cur.unpack(_U64)
+    if n > max_bytes:
+        raise cur.error(f"{what} of {n} bytes at offset {at} is longer than {max_bytes}")
+    raw = cur.take(n)
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise cur.error(f"{what} at offset {at} is not UTF-8") from None
+
+
+def _read_string(cur: _Cursor) -> str:
+    at = cur.pos
+    n = cur.unpack(_U64)
+    if n > MAX_STRING_BYTES:
+        raise cur.error(f"string of {n} bytes at offset {at} is longer than {MAX_STRING_BYTES}")
+    # Values are text for people (names, templates): an odd byte should not make a model unusable.
+    return cur.take(n).decode("utf-8", errors="replace")
+
+
+def _min_bytes(value_type: int) -> int:
+    if value_type in _SCALARS:
+        return _SCALARS[value_type].size
+    return _STRING_MIN_BYTES if value_type == STRING else _ARRAY_MIN_BYTES
+
+
+def _read_value(cur: _Cursor, value_type: int, depth: int) -> Value:
+    scalar = _SCALARS.get(value_type)
+    if scalar is not None:
+        value = cur.unpack(scalar)
+        return bool(value) if value_type == BOOL else value
+    if value_type == STRING:
+        return _read_string(cur)
+    if value_type == ARRAY:
+        return _read_array(cur, depth)
+    raise cur.error(f"unknown metadata value type {value_type} at offset {cur.pos - 4}")
+
+
+def _read_array(cur: _Cursor, depth: int) -> tuple | SkippedArray:
+    at = cur.pos
+    if depth >= MAX_NESTING:
+        raise cur.error(f"arrays nested deeper than {MAX_NESTING} at offset {at}")
+    element_type = cur.unpack(_U32)
+    if element_type not in _SCALARS and element_type not in (STRING, ARRAY):
+        raise cur.error(f"unknown array element type {element_type} at offset {at}")
+    length = cur.unpack(_U64)
+    if length * _min_bytes(element_type) > cur.remaining():
+        raise cur.error(f"array of {length} elements at offset {at} cannot fit in a file of {cur.size} bytes")
+    if length <= MAX_KEPT_ARRAY:
+        return tuple(_read_value(cur, element_type, depth + 1) for _ in range(length))
+    if element_type in _SCALARS:
+        cur.skip(length * _SCALARS[element_type].size)
+    else:
+        for _ in range(length):
+            _skip_value(cur, element_type, depth + 1)
+    return SkippedArray(element_type, length)
+
+
+def _skip_value(cur: _Cursor, value_type: int, depth: int) -> None:
+    if value_type == STRING:
+        cur.skip(cur.unpack(_U64))
+    elif value_type == ARRAY:
+        if depth >= MAX_NESTING:
+            raise cur.error(f"arrays nested deeper than {MAX_NESTING} at offset {cur.pos}")
+        element_type = cur.unpack(_U32)
+        length = cur.unpack(_U64)
+        if element_type in _SCALARS:
+            cur.skip(length * _SCALARS[element_type].size)
+        elif element_type in (STRING, ARRAY):
+            if length * _min_bytes(element_type) > cur.remaining():
+                raise cur.error(f"array of {length} elements at offset {cur.pos - 12} cannot fit in the file")
+            for _ in range(length):
+                _skip_value(cur, element_type, depth + 1)
+        else:
+            raise cur.error(f"unknown array element type {element_type} at offset {cur.pos - 12}")
+    else:
+        cur.skip(_SCALARS[value_type].size)
+
+
+def _read_tensor_info(cur: _Cursor) -> tuple[str, tuple[int, ...], int, int]:
+    at = cur.pos
+    name = _read_name(cur, MAX_TENSOR_NAME_BYTES, "tensor name")
+    n_dims = cur.unpack(_U32)
+    if n_dims > MAX_DIMS:
+        raise cur.error(f"tensor {name!r} at offset {at} has {n_dims} dimensions (at most {MAX_DIMS})")
+    dims = tuple(cur.unpack(_U64) for _ in range(n_dims))
+    ggml_type = cur.unpack(_U32)
+    offset = cur.unpack(_U64)
+    return name, dims, ggml_type, offset
+
+
+def _place_tensors(cur: _Cursor, infos: list[tuple[str, tuple[int, ...], int, int]], data_offset: int,
+                   alignment: int) -> tuple[TensorInfo, ...]:
+    data_bytes = max(cur.size - data_offset, 0)
+    seen: set[str] = set()
+    tensors = []
+    total = 0
+    for name, dims, ggml_type, offset in infos:
+        if name in seen:
+            raise cur.error(f"duplicate tensor {name!r}")
+        seen.add(name)
+        if ggml_type not in GGML_TYPES:
+            raise cur.error(f"tensor {name!r} has unknown ggml type {ggml_type}")
+        type_name, block, type_size = GGML_TYPES[ggml_type]
+        n_elements = 1
+        for dim in dims:
+            n_elements *= dim
+        # A size that the data section cannot hold is refused before anything else uses it.
+        if n_elements * type_size > data_bytes * block:
+            raise cur.error(f"tensor {name!r} {list(dims)} of {type_name} needs more bytes than the file's "
+                            f"{data_bytes} bytes of data")
+        if dims and dims[0] % block:
+            raise cur.error(f"tensor {name!r}: row of {dims[0]} is not a whole number of {type_name} blocks of {block}")
+        n_bytes = n_elements // block * type_size
+        if offset % alignment:
+            raise cur.error(f"tensor {name!r} at data offset {offset} is not aligned to {alignment}")
+        if offset + n_bytes > data_bytes:
+            raise cur.error(f"tensor {name!r} ({n_bytes} bytes at data offset {offset}) ends past the file's "
+                            f"{data_bytes} bytes of data")
+        total += n_bytes
+        tensors.append(TensorInfo(name, dims, ggml_type, offset, n_bytes))
+    if total > data_bytes:
+        raise cur.error(f"tensors claim {total} bytes; the file holds {data_bytes} bytes of data")
+    return tuple(tensors)
