@@ -1,5 +1,10 @@
 """Prometheus metrics, in the daemon process only (the worker reports over the
-protocol). Base units, no colons, prefix dormouse_."""
+protocol). Base units, no colons, prefix dormouse_.
+
+Every per-model series carries a `model` label: `MetricFamilies` holds the
+families once per process (one registry), and `Metrics` is one model's view
+of them, with the same attribute names as the families, each already bound to
+the model. Code that serves one model never spells the label."""
 
 from __future__ import annotations
 
@@ -13,78 +18,118 @@ RESUME_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.75, 1, 1.5, 2, 3, 5, 10, 30, 
 TOKEN_BUCKETS = (1, 4, 16, 64, 256, 1024, 4096, 16384)
 
 
-class Metrics:
-    def __init__(self) -> None:
-        r = self.registry = CollectorRegistry()
-        self.state = Gauge("dormouse_state", "1 for the server's current state, 0 for the others", ["state"], registry=r)
+class Bound:
+    """A metric family with its `model` label set: `.labels(**rest)` for the
+    other labels, or inc/set/observe directly when `model` is the only one."""
+
+    def __init__(self, family, model: str) -> None:
+        self._family = family
+        self._model = model
+
+    def labels(self, **labels):
+        return self._family.labels(model=self._model, **labels)
+
+    def clear(self) -> None:
+        """Remove this model's series only (the family's clear() would take every model's)."""
+        for labelvalues in list(self._family._metrics):
+            if labelvalues[0] == self._model:
+                self._family.remove(*labelvalues)
+
+    def __getattr__(self, name: str):
+        return getattr(self._family.labels(model=self._model), name)
+
+
+class MetricFamilies:
+    """Every per-model family, created once per process in one registry."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        r = self.registry = registry or CollectorRegistry()
+        self.names: list[str] = []
+        self._define(r)
+        self.names = [name for name, value in vars(self).items() if hasattr(value, "_metrics")]
+
+    def _define(self, r: CollectorRegistry) -> None:
+        M = ["model"]  # noqa: N806 - the label every family here starts with
+        self.state = Gauge("dormouse_state", "1 for the server's current state, 0 for the others", M + ["state"], registry=r)
         # reason: startup (the first load), request, admin, retry: a startup load is not a wake,
         # and mixing it in would hide what users wait for.
         self.resume_seconds = Histogram(
-            "dormouse_resume_seconds", "Time from load decision to a loaded, ready worker, by reason", ["reason"],
+            "dormouse_resume_seconds", "Time from load decision to a loaded, ready worker, by reason", M + ["reason"],
             buckets=RESUME_BUCKETS, registry=r
         )
         self.resume_phase_seconds = Histogram(
-            "dormouse_resume_phase_seconds", "Duration of each phase of a load", ["reason", "phase"], buckets=RESUME_BUCKETS,
+            "dormouse_resume_phase_seconds", "Duration of each phase of a load", M + ["reason", "phase"], buckets=RESUME_BUCKETS,
             registry=r
         )
         self.sleep_seconds = Histogram(
-            "dormouse_sleep_seconds", "Time to tear the worker down and see it exit", buckets=LATENCY_BUCKETS, registry=r
+            "dormouse_sleep_seconds", "Time to tear the worker down and see it exit", M, buckets=LATENCY_BUCKETS, registry=r
         )
         self.sleep_phase_seconds = Histogram(
-            "dormouse_sleep_phase_seconds", "Duration of each teardown step", ["phase"], buckets=LATENCY_BUCKETS, registry=r
+            "dormouse_sleep_phase_seconds", "Duration of each teardown step", M + ["phase"], buckets=LATENCY_BUCKETS, registry=r
         )
         self.sleep_freed_bytes = Gauge(
-            "dormouse_sleep_freed_bytes", "Bytes each teardown step gave back in the last sleep", ["phase"], registry=r
+            "dormouse_sleep_freed_bytes", "Bytes each teardown step gave back in the last sleep", M + ["phase"], registry=r
         )
         self.memory_reclaim_seconds = Gauge(
-            "dormouse_memory_reclaim_seconds", "After the last worker exit, how long until its memory was seen given back", registry=r
+            "dormouse_memory_reclaim_seconds", "After the last worker exit, how long until its memory was seen given back", M, registry=r
         )
-        self.sleeps = Counter("dormouse_sleeps_total", "Sleeps, by reason", ["reason"], registry=r)
-        self.wakes = Counter("dormouse_wakes_total", "Wakes (loads after a sleep), by reason", ["reason"], registry=r)
+        self.sleeps = Counter("dormouse_sleeps_total", "Sleeps, by reason", M + ["reason"], registry=r)
+        self.wakes = Counter("dormouse_wakes_total", "Wakes (loads after a sleep), by reason", M + ["reason"], registry=r)
         self.memory_bytes = Gauge(
-            "dormouse_memory_bytes", "Memory held by the loaded worker, by device and component", ["device", "component"], registry=r
+            "dormouse_memory_bytes", "Memory held by the loaded worker, by device and component", M + ["device", "component"], registry=r
         )
         self.gpu_memory_used_bytes = Gauge(
-            "dormouse_gpu_memory_used_bytes", "GPU memory used by the worker process (NVML)", ["gpu"], registry=r
+            "dormouse_gpu_memory_used_bytes", "GPU memory used by the worker process (NVML)", M + ["gpu"], registry=r
         )
-        self.worker_rss_bytes = Gauge("dormouse_worker_rss_bytes", "Resident memory of the worker process", registry=r)
+        self.worker_rss_bytes = Gauge("dormouse_worker_rss_bytes", "Resident memory of the worker process", M, registry=r)
         self.ttft_seconds = Histogram(
-            "dormouse_time_to_first_token_seconds", "From request accepted to first token", ["start"], buckets=RESUME_BUCKETS, registry=r
+            "dormouse_time_to_first_token_seconds", "From request accepted to first token", M + ["start"], buckets=RESUME_BUCKETS, registry=r
         )
         self.inter_token_seconds = Histogram(
-            "dormouse_inter_token_seconds", "Mean time between tokens of a request", buckets=LATENCY_BUCKETS, registry=r
+            "dormouse_inter_token_seconds", "Mean time between tokens of a request", M, buckets=LATENCY_BUCKETS, registry=r
         )
         self.request_seconds = Histogram(
-            "dormouse_request_duration_seconds", "From request accepted to answer complete", ["endpoint", "outcome"], buckets=RESUME_BUCKETS, registry=r
+            "dormouse_request_duration_seconds", "From request accepted to answer complete", M + ["endpoint", "outcome"], buckets=RESUME_BUCKETS, registry=r
         )
-        self.prompt_tokens = Counter("dormouse_prompt_tokens_total", "Prompt tokens processed", registry=r)
-        self.cached_prompt_tokens = Counter("dormouse_prompt_cached_tokens_total", "Prompt tokens reused from a slot's cache", registry=r)
-        self.generated_tokens = Counter("dormouse_generated_tokens_total", "Tokens generated", registry=r)
-        self.requests_in_flight = Gauge("dormouse_requests_in_flight", "Requests handed to the worker", registry=r)
-        self.requests_waiting = Gauge("dormouse_requests_waiting", "Requests accepted and waiting for a worker", registry=r)
-        self.requests = Counter("dormouse_requests_total", "Requests answered, by endpoint and status", ["endpoint", "status"], registry=r)
-        self.slots = Gauge("dormouse_slots", "Slots by state", ["state"], registry=r)
-        self.draft_tokens = Counter("dormouse_speculative_draft_tokens_total", "Tokens proposed by the draft model", registry=r)
-        self.accepted_tokens = Counter("dormouse_speculative_accepted_tokens_total", "Drafted tokens the target accepted", registry=r)
-        self.worker_restarts = Counter("dormouse_worker_restarts_total", "Workers that exited without being asked to", registry=r)
-        self.load_failures = Counter("dormouse_load_failures_total", "Loads that failed", registry=r)
+        self.prompt_tokens = Counter("dormouse_prompt_tokens_total", "Prompt tokens processed", M, registry=r)
+        self.cached_prompt_tokens = Counter("dormouse_prompt_cached_tokens_total", "Prompt tokens reused from a slot's cache", M, registry=r)
+        self.generated_tokens = Counter("dormouse_generated_tokens_total", "Tokens generated", M, registry=r)
+        self.requests_in_flight = Gauge("dormouse_requests_in_flight", "Requests handed to the worker", M, registry=r)
+        self.requests_waiting = Gauge("dormouse_requests_waiting", "Requests accepted and waiting for a worker", M, registry=r)
+        self.requests = Counter("dormouse_requests_total", "Requests answered, by endpoint and status", M + ["endpoint", "status"], registry=r)
+        self.slots = Gauge("dormouse_slots", "Slots by state", M + ["state"], registry=r)
+        self.draft_tokens = Counter("dormouse_speculative_draft_tokens_total", "Tokens proposed by the draft model", M, registry=r)
+        self.accepted_tokens = Counter("dormouse_speculative_accepted_tokens_total", "Drafted tokens the target accepted", M, registry=r)
+        self.worker_restarts = Counter("dormouse_worker_restarts_total", "Workers that exited without being asked to", M, registry=r)
+        self.load_failures = Counter("dormouse_load_failures_total", "Loads that failed", M, registry=r)
         self.memory_not_returned = Counter(
             "dormouse_memory_not_returned_total", "Worker exits after which its memory was not seen given back, by what ended it",
-            ["after"], registry=r
+            M + ["after"], registry=r
         )
         self.poison_refusals = Counter(
             "dormouse_poison_requests_refused_total", "Requests refused because the same request was in flight at two worker deaths",
-            registry=r
+            M, registry=r
         )
         self.transition_errors = Counter(
-            "dormouse_transition_errors_total", "Start or stop tasks that raised (each still ended its state)", registry=r
+            "dormouse_transition_errors_total", "Start or stop tasks that raised (each still ended its state)", M, registry=r
         )
         self.invalid_transitions = Counter(
-            "dormouse_invalid_transitions_total", "Events with no row in the state table (a bug), dropped", ["state", "event"],
+            "dormouse_invalid_transitions_total", "Events with no row in the state table (a bug), dropped", M + ["state", "event"],
             registry=r
         )
-        self.idle_timeout_seconds = Gauge("dormouse_idle_timeout_seconds", "Configured idle sleep timeout (-1: never)", registry=r)
+        self.idle_timeout_seconds = Gauge("dormouse_idle_timeout_seconds", "Configured idle sleep timeout (-1: never)", M, registry=r)
 
+
+class Metrics:
+    """One model's view of the families (a fresh registry when none is given,
+    as tests and a fleet of one need)."""
+
+    def __init__(self, families: MetricFamilies | None = None, model: str = "default") -> None:
+        families = families or MetricFamilies()
+        self.registry = families.registry
+        self.model = model
+        for name in families.names:
+            setattr(self, name, Bound(getattr(families, name), model))
         for state in ServerState:
             self.state.labels(state=state.value).set(0)
         for slot_state in SlotState:

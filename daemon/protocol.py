@@ -32,6 +32,12 @@ class Message(msgspec.Struct, tag=True, forbid_unknown_fields=False, omit_defaul
 # -- daemon -> worker --------------------------------------------------------
 
 
+# Verification decodes at most this many tokens at once: llama.cpp's CPU
+# kernels for up to 4 tokens give the same logits as decoding one by one,
+# so greedy output with a draft is token for token the output without.
+VERIFY_GROUP = 4
+
+
 class ModelSpec(msgspec.Struct, omit_defaults=True):
     model: str
     model_draft: str | None = None
@@ -48,6 +54,22 @@ class ModelSpec(msgspec.Struct, omit_defaults=True):
     warmup: bool = True
     cpu_repack: bool = False
     seed: int = -1
+
+    # What one llama_decode may carry, shared by the worker (which sizes its
+    # context with it) and the daemon's footprint prediction (which must match).
+
+    def step_capacity(self) -> int:
+        """Tokens in one decode: a prompt chunk (batch_size), one token per
+        generating slot, or a verification group; so --parallel 8
+        --batch-size 4 works."""
+        return max(self.batch_size, self.parallel, VERIFY_GROUP if self.model_draft else 1)
+
+    def outputs_max(self) -> int:
+        """Logit rows one decode may ask for: one per generating slot, or one
+        per token of a verification group. llama.cpp reserves a vocabulary-wide
+        row for each (514 MiB of compute buffer for Gemma 3 if left at the
+        batch size; 69 instead of 20 MiB when this was parallel x (draft_max+1))."""
+        return max(self.parallel, VERIFY_GROUP) if self.model_draft else self.parallel
 
 
 class Load(Message):

@@ -21,6 +21,7 @@ from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Mapping
 
+from daemon.protocol import VERIFY_GROUP
 from daemon.model.gguf_header import (GGML_TYPE_IDS, GGML_TYPES, GgufError, GgufHeader, SkippedArray, ggml_row_bytes,
                                       read_header)
 
@@ -102,7 +103,7 @@ def predict(model_path: str | Path, *, ctx_size: int, parallel: int, cache_type_
     # plus one per slot (llama.cpp reserves its compute graph for that many), but
     # asks for at most one per slot, or one verification group, per decode.
     main = context_bytes(shape_of(header), **context,
-                         n_outputs_max=parallel * (draft_max + 1) if model_draft else parallel,
+                         n_outputs_max=max(parallel, VERIFY_GROUP) if model_draft else parallel,
                          output_rows=max(parallel, VERIFY_GROUP) if model_draft else parallel)
     footprint = Footprint(model=weight_bytes(header), context=main)
     if model_draft:

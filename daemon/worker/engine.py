@@ -18,7 +18,8 @@ from daemon import protocol as p
 from daemon.worker.chat import END_OF_TURN_MARKERS, ChatRenderer, ChatTemplateError, template_for
 from daemon.worker.errors import RequestError
 from daemon.worker.llama_lib import llama
-from daemon.worker.runtime import VERIFY_GROUP, Runtime, step_capacity
+from daemon.protocol import VERIFY_GROUP
+from daemon.worker.runtime import Runtime
 from daemon.worker.sampling import SamplerChain
 from daemon.worker.slot import Job, Slot, choose_slot
 from statemachine import SlotState
@@ -36,7 +37,7 @@ class Engine:
         self.memory = llama.llama_get_memory(self.ctx)
         self.slots = [Slot(i) for i in range(runtime.spec.parallel)]
         self.queue: deque[p.Submit] = deque()
-        self.batch = llama.llama_batch_init(step_capacity(runtime.spec), 0, 1)
+        self.batch = llama.llama_batch_init(runtime.spec.step_capacity(), 0, 1)
         self.add_bos = bool(llama.llama_vocab_get_add_bos(self.vocab))
         self._piece = ctypes.create_string_buffer(256)
         self.chat = ChatRenderer(

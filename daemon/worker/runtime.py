@@ -23,17 +23,6 @@ from daemon.worker.memory import BufferLedger
 
 TEARDOWN_ORDER = ("draft_context", "draft_model", "context", "model", "mmproj", "backend")
 
-# Verification decodes at most this many tokens at once: llama.cpp's CPU
-# kernels for up to 4 tokens give the same logits as decoding one by one,
-# so greedy output with a draft is token for token the output without.
-VERIFY_GROUP = 4
-
-
-def step_capacity(spec: ModelSpec) -> int:
-    """Tokens one llama_decode may carry: a prompt chunk (batch_size), one token
-    per generating slot, or a verification group. The context and the batch are
-    sized for the largest, so --parallel 8 --batch-size 4 works."""
-    return max(spec.batch_size, spec.parallel, VERIFY_GROUP if spec.model_draft else 1)
 
 
 class LoadError(RuntimeError):
@@ -108,8 +97,7 @@ class Runtime:
             with self._phase("mmproj"):
                 self.mmproj = self._load_mmproj(spec.mmproj)
         with self._phase("context"):
-            outputs = spec.parallel * (spec.draft_max + 1 if spec.model_draft else 1)
-            self.ctx = self._new_context(self.model, spec.ctx_size, spec.parallel, outputs, "context")
+            self.ctx = self._new_context(self.model, spec.ctx_size, spec.parallel, spec.outputs_max(), "context")
         if self.draft_model is not None:
             with self._phase("draft_context"):
                 self.draft_ctx = self._new_context(self.draft_model, spec.ctx_size, spec.parallel, spec.parallel, "draft context")
@@ -131,7 +119,7 @@ class Runtime:
     def _new_context(self, model: ctypes.c_void_p, n_ctx: int, n_seq: int, n_outputs: int, what: str) -> ctypes.c_void_p:
         params = llama.llama_context_default_params()
         params.n_ctx = n_ctx
-        params.n_batch = step_capacity(self.spec)
+        params.n_batch = self.spec.step_capacity()
         params.n_ubatch = self.spec.batch_size
         params.n_seq_max = n_seq
         # Logits are read for at most one token per slot (plus drafted ones);

@@ -28,12 +28,10 @@ def holds_file(pid: int, path: str) -> bool:
 
 
 def metric(d, name: str, **labels) -> float:
-    text = d.http.get("/metrics").text
-    want = name + ("{" + ",".join(f'{k}="{v}"' for k, v in labels.items()) + "}" if labels else "")
-    for line in text.splitlines():
-        if line.startswith(want + " "):
-            return float(line.split()[-1])
-    return 0.0
+    """The daemon's value for a series (summed over models and unnamed labels)."""
+    from tests.metrics_text import value
+
+    return value(d.http.get("/metrics").text, name, **labels)
 
 
 def test_completion_sleep_wake_cycle(start_daemon, bundled_model):

@@ -13,6 +13,7 @@ import psutil
 from daemon.controller import POISON_CRASHES
 from statemachine import ServerState, WorkerReady
 from tests.conftest import fake_daemon
+from tests.metrics_text import samples, value
 
 
 async def ready(controller, timeout=10):
@@ -23,13 +24,6 @@ async def complete(client, **body):
     body.setdefault("prompt", "hi")
     body.setdefault("max_tokens", 3)
     return await client.post("/v1/completions", json=body)
-
-
-def metric(text: str, name: str) -> float:
-    for line in text.splitlines():
-        if line.startswith(name + " ") or line.startswith(name + "{") and line.split(" ")[0] == name:
-            return float(line.rsplit(" ", 1)[1])
-    raise AssertionError(f"{name} not in metrics")
 
 
 # -- item 1: wake_timeout bounds the wake, not the wait for a slot --------------------------
@@ -73,7 +67,7 @@ async def test_start_task_that_raises_ends_in_failed_not_loading():
         assert response.status == 503
         assert "Too many open files" in (await response.json())["error"]["message"]
         assert controller.state is ServerState.FAILED
-        assert metric((await (await client.get("/metrics")).text()), "dormouse_transition_errors_total") == 1
+        assert value(await (await client.get("/metrics")).text(), "dormouse_transition_errors_total") == 1
 
 
 async def test_stop_task_that_raises_ends_in_sleeping_and_kills_the_worker():
@@ -138,7 +132,7 @@ async def test_event_without_a_row_is_counted_and_the_daemon_keeps_serving():
         controller.post(WorkerReady(4))  # READY has no row for a second Ready: a bug, on purpose
         assert (await complete(client)).status == 200
         text = await (await client.get("/metrics")).text()
-        assert 'dormouse_invalid_transitions_total{event="WorkerReady",state="ready"} 1.0' in text
+        assert value(text, "dormouse_invalid_transitions_total", event="WorkerReady", state="ready") == 1
 
 
 # -- item 9: a crash right after a load backs off; a poison request is refused ---------------
@@ -174,7 +168,7 @@ async def test_request_in_flight_at_two_crashes_is_refused_then(monkeypatch):
         monkeypatch.delenv("FAKE_CRASH_AFTER_TOKENS")
         assert (await complete(client, prompt="something else")).status == 200
         text = await (await client.get("/metrics")).text()
-        assert metric(text, "dormouse_poison_requests_refused_total") == 1
+        assert value(text, "dormouse_poison_requests_refused_total") == 1
 
 
 # -- item 12: a crashed worker's slots and bytes are gone; its memory is checked -------------
@@ -185,7 +179,7 @@ async def test_after_a_crash_slots_and_memory_gauges_are_cleared_and_memory_chec
         await ready(controller)
         monkeypatch.setenv("FAKE_TOKEN_SECONDS", "0.05")
         text = await (await client.get("/metrics")).text()
-        assert "dormouse_memory_bytes{" in text
+        assert samples(text, "dormouse_memory_bytes")
         pid = controller.supervisor.current.pid
         stream = asyncio.create_task(complete(client, max_tokens=200))
         while not any(s.request_id for s in controller.slots):
@@ -196,8 +190,8 @@ async def test_after_a_crash_slots_and_memory_gauges_are_cleared_and_memory_chec
         slots = await (await client.get("/slots")).json()
         assert all(s["request_id"] is None and s["state"] == "idle" for s in slots)
         text = await (await client.get("/metrics")).text()
-        assert "dormouse_memory_bytes{" not in text
-        assert 'dormouse_slots{state="generating"} 0.0' in text
+        assert not samples(text, "dormouse_memory_bytes")
+        assert samples(text, "dormouse_slots", state="generating") == [0.0]
         for _ in range(100):
             if controller.last_memory_check:
                 break
@@ -213,5 +207,5 @@ async def test_resume_seconds_are_labelled_by_reason():
         assert (await client.post("/sleep")).status == 200
         assert (await client.post("/wake")).status == 200
         text = await (await client.get("/metrics")).text()
-        assert 'dormouse_resume_seconds_count{reason="startup"} 1.0' in text
-        assert 'dormouse_resume_seconds_count{reason="admin"} 1.0' in text
+        assert value(text, "dormouse_resume_seconds_count", reason="startup") == 1
+        assert value(text, "dormouse_resume_seconds_count", reason="admin") == 1
