@@ -7,14 +7,17 @@ error names the key and the layer it came from.
 
 from __future__ import annotations
 
+import ipaddress
+import json
 import os
 import tomllib
 from pathlib import Path
-from typing import Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import Field, SecretStr, ValidationError, field_validator
 from pydantic_settings import (
     BaseSettings,
+    NoDecode,
     PydanticBaseSettingsSource,
     SettingsConfigDict,
     TomlConfigSettingsSource,
@@ -25,6 +28,27 @@ ENV_PREFIX = "DORMOUSE_"
 
 class ConfigError(ValueError):
     """Bad configuration; the message names the key and where it came from."""
+
+
+def normalize_host(name: str, strict: bool = False) -> str:
+    """A host name as compared with allowed_hosts: lower case, no trailing dot,
+    IPv6 without brackets and in its short form. `strict` refuses what is not
+    a host name (a port, a scheme, a wildcard); lenient returns "" for it."""
+    host = name.strip().lower().rstrip(".")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    if ":" in host:
+        try:
+            return ipaddress.IPv6Address(host).compressed
+        except ValueError:
+            if strict:
+                raise ValueError(f"{name!r} is not a host name (give names without port or scheme)") from None
+            return ""
+    if not host or len(host) > 253 or not all(ch.isascii() and (ch.isalnum() or ch in "-._") for ch in host):
+        if strict:
+            raise ValueError(f"{name!r} is not a host name (letters, digits, '-', '.'; no port, scheme or wildcard)")
+        return ""
+    return host
 
 
 class Settings(BaseSettings):
@@ -65,6 +89,15 @@ class Settings(BaseSettings):
     api_key: SecretStr | None = Field(None, description="Bearer key for /v1/*")
     admin_key: SecretStr | None = Field(None, description="Bearer key for /sleep and /wake")
     max_body_bytes: int = Field(8 * 1024 * 1024, ge=1024)
+    allowed_hosts: Annotated[list[str], NoDecode] = Field(
+        default_factory=list, max_length=256,
+        description="Host header names (no port) the daemon answers; empty: any. A request naming another host gets "
+                    "403 (a defense against DNS rebinding). A list, or names separated by commas")
+    metrics_key: SecretStr | None = Field(
+        None, description="Bearer key for /health and /metrics; none: both open. Probes and scrapers must then send it")
+    max_image_pixels: int = Field(16_777_216, ge=1, le=2**30,
+                                  description="largest image (width x height, read from its header) in a chat request")
+    max_images_per_request: int = Field(8, ge=0, le=1024, description="most images in one chat request; 0 refuses images")
 
     # -- operations --
     log_format: Literal["auto", "console", "json"] = "auto"
@@ -78,6 +111,43 @@ class Settings(BaseSettings):
     def _idle(cls, value: float) -> float:
         if value < 0 and value != -1:
             raise ValueError("must be >= 0, or -1 for never")
+        return value
+
+    @field_validator("allowed_hosts", mode="before")
+    @classmethod
+    def _host_list(cls, value: Any) -> Any:
+        # An environment variable gives one string: names separated by commas, or a JSON list.
+        if isinstance(value, str):
+            if value.lstrip().startswith("["):
+                try:
+                    return json.loads(value)
+                except ValueError:
+                    raise ValueError("is neither a JSON list nor names separated by commas") from None
+            return [name for name in (part.strip() for part in value.split(",")) if name]
+        return value
+
+    @field_validator("allowed_hosts")
+    @classmethod
+    def _host_names(cls, value: list[str]) -> list[str]:
+        return [normalize_host(name, strict=True) for name in value]
+
+    @field_validator("metrics_key")
+    @classmethod
+    def _header_safe_key(cls, value: SecretStr | None) -> SecretStr | None:
+        # A key travels in an HTTP header: visible ASCII only, no spaces (the Bearer value is stripped).
+        if value is not None:
+            key = value.get_secret_value()
+            if not key:
+                raise ValueError("must not be empty (leave it out for no key)")
+            if len(key) > 4096 or not all("!" <= ch <= "~" for ch in key):
+                raise ValueError("must be 1-4096 visible ASCII characters (no spaces)")
+        return value
+
+    @field_validator("max_image_pixels", "max_images_per_request", mode="before")
+    @classmethod
+    def _not_a_bool(cls, value: Any) -> Any:
+        if isinstance(value, bool):  # TOML `true` would otherwise count as 1
+            raise ValueError("must be an integer, not a boolean")
         return value
 
     @field_validator("model", "model_draft", "mmproj", "chat_template_file", "state_dir", mode="before")
@@ -104,7 +174,7 @@ class Settings(BaseSettings):
     def public_dict(self) -> dict[str, Any]:
         """The effective settings, secrets masked, ready to print."""
         out = self.model_dump(mode="json")
-        for key in ("api_key", "admin_key"):
+        for key in ("api_key", "admin_key", "metrics_key"):
             out[key] = "********" if getattr(self, key) else None
         return out
 

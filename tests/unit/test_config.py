@@ -64,3 +64,80 @@ def test_grafana_dashboard_queries_only_metrics_that_exist():
             for panel in dashboard["panels"] for target in panel["targets"]
             for name in re.findall(r"dormouse_[a-z_]+", target["expr"])}
     assert used and used <= known | {n.removesuffix("_total") for n in known}, used - known
+
+
+# -- access and image limits: every new key with its hostile input ----------------
+
+
+def _load(tmp_path, toml: str = "", env: dict | None = None, monkeypatch=None):
+    path = tmp_path / "d.toml"
+    path.write_text(toml)
+    for k, v in (env or {}).items():
+        monkeypatch.setenv(k, v)
+    return load_settings(path)
+
+
+def test_access_and_image_defaults():
+    s = load_settings()
+    assert s.allowed_hosts == [] and s.metrics_key is None
+    assert s.max_image_pixels == 4096 * 4096 and s.max_images_per_request == 8
+
+
+@pytest.mark.parametrize(
+    "toml,env,expected",
+    [
+        ('allowed_hosts = ["LocalHost", "dormouse.lan.", "[::1]", "0:0::1", "10.0.0.7"]', {},
+         ["localhost", "dormouse.lan", "::1", "::1", "10.0.0.7"]),
+        ("", {"DORMOUSE_ALLOWED_HOSTS": "localhost, Dormouse.lan ,"}, ["localhost", "dormouse.lan"]),
+        ("", {"DORMOUSE_ALLOWED_HOSTS": '["localhost", "::1"]'}, ["localhost", "::1"]),
+        ("", {"DORMOUSE_ALLOWED_HOSTS": ""}, []),
+    ],
+)
+def test_allowed_hosts_are_normalised(tmp_path, monkeypatch, toml, env, expected):
+    assert _load(tmp_path, toml, env, monkeypatch).allowed_hosts == expected
+
+
+@pytest.mark.parametrize(
+    "toml,env,needle",
+    [
+        ("allowed_hosts = 5", {}, "allowed_hosts: Input should be a valid list (from config file"),
+        ('allowed_hosts = ["localhost:8080"]', {}, "is not a host name (give names without port or scheme)"),
+        ('allowed_hosts = ["http://localhost"]', {}, "is not a host name"),
+        ('allowed_hosts = ["*.example.com"]', {}, "no port, scheme or wildcard"),
+        ('allowed_hosts = [""]', {}, "is not a host name"),
+        ('allowed_hosts = ["a b"]', {}, "is not a host name"),
+        ('allowed_hosts = ["h\u00e9te"]', {}, "is not a host name"),
+        (f'allowed_hosts = ["{"a" * 300}"]', {}, "is not a host name"),
+        ("allowed_hosts = [" + ", ".join(f'"h{i}"' for i in range(257)) + "]", {}, "at most 256 items"),
+        ("", {"DORMOUSE_ALLOWED_HOSTS": "[not json"}, "neither a JSON list nor names separated by commas"),
+        ("", {"DORMOUSE_ALLOWED_HOSTS": "localhost:80"}, "(from environment DORMOUSE_ALLOWED_HOSTS)"),
+        ('metrics_key = ""', {}, "metrics_key: Value error, must not be empty"),
+        ('metrics_key = "has space"', {}, "visible ASCII"),
+        ('metrics_key = "cl\u00e9"', {}, "visible ASCII"),
+        (f'metrics_key = "{"k" * 5000}"', {}, "visible ASCII"),
+        ("metrics_key = 5", {}, "metrics_key: Input should be a valid string"),
+        ("max_image_pixels = 0", {}, "max_image_pixels: Input should be greater than or equal to 1"),
+        ("max_image_pixels = -1", {}, "greater than or equal to 1"),
+        ("max_image_pixels = 1099511627776", {}, "less than or equal to 1073741824"),
+        ("max_image_pixels = 1e400", {}, "max_image_pixels"),
+        ("max_image_pixels = 3.5", {}, "max_image_pixels"),
+        ('max_image_pixels = "many"', {}, "max_image_pixels: Input should be a valid integer"),
+        ("max_image_pixels = true", {}, "must be an integer, not a boolean"),
+        ("max_images_per_request = -1", {}, "max_images_per_request: Input should be greater than or equal to 0"),
+        ("max_images_per_request = 1000000000", {}, "less than or equal to 1024"),
+        ("max_images_per_request = false", {}, "not a boolean"),
+        ("", {"DORMOUSE_MAX_IMAGES_PER_REQUEST": "lots"}, "(from environment DORMOUSE_MAX_IMAGES_PER_REQUEST)"),
+    ],
+)
+def test_hostile_access_and_image_settings_name_the_key(tmp_path, monkeypatch, toml, env, needle):
+    with pytest.raises(ConfigError) as info:
+        _load(tmp_path, toml, env, monkeypatch)
+    assert needle in str(info.value)
+
+
+def test_metrics_key_is_masked_and_limits_are_kept(tmp_path):
+    s = _load(tmp_path, 'metrics_key = "m-123"\nmax_image_pixels = 100\nmax_images_per_request = 0\n')
+    shown = s.public_dict()
+    assert shown["metrics_key"] == "********" and "m-123" not in str(shown)
+    assert s.metrics_key.get_secret_value() == "m-123"
+    assert (s.max_image_pixels, s.max_images_per_request) == (100, 0)
