@@ -49,6 +49,9 @@ def _parser() -> argparse.ArgumentParser:
         sub.add_argument("--url", default="http://127.0.0.1:8080", help="the daemon (default http://127.0.0.1:8080)")
         sub.add_argument("--admin-key", default=os.environ.get("DORMOUSE_ADMIN_KEY"),
                          help="admin key, if one is set (also DORMOUSE_ADMIN_KEY)")
+        sub.add_argument("--api-key", default=os.environ.get("DORMOUSE_API_KEY"),
+                         help="API key, if one is set: status needs it (or the admin key), and so do sleep and "
+                              "wake when no admin key is set (also DORMOUSE_API_KEY)")
     for name, help_text in (("serve", "run the daemon"), ("check-config", "print the effective settings and exit")):
         sub = commands.add_parser(name, help=help_text, argument_default=argparse.SUPPRESS)
         sub.add_argument("--config", help="TOML settings file (also DORMOUSE_CONFIG)")
@@ -61,20 +64,26 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _remote(command: str, url: str, admin_key: str | None) -> int:
+def _remote(command: str, url: str, admin_key: str | None, api_key: str | None = None) -> int:
     """status / sleep / wake against a running daemon, with the standard library only."""
     import urllib.error
     import urllib.request
 
     path, method = {"status": ("/props", "GET"), "sleep": ("/sleep", "POST"), "wake": ("/wake", "POST")}[command]
-    request = urllib.request.Request(url.rstrip("/") + path, method=method, data=b"" if method == "POST" else None)
-    if admin_key:
-        request.add_header("Authorization", f"Bearer {admin_key}")
+    # A POST declares JSON: the daemon refuses other bodies (urllib would send a form type).
+    request = urllib.request.Request(url.rstrip("/") + path, method=method, data=b"{}" if method == "POST" else None,
+                                     headers={"Content-Type": "application/json"} if method == "POST" else {})
+    key = (api_key or admin_key) if command == "status" else (admin_key or api_key)
+    if key:
+        request.add_header("Authorization", f"Bearer {key}")
     try:
         with urllib.request.urlopen(request, timeout=600) as response:
             body = json.loads(response.read())
     except urllib.error.HTTPError as exc:
-        detail = json.loads(exc.read() or b"{}").get("error", {}).get("message", exc.reason)
+        try:
+            detail = json.loads(exc.read() or b"{}").get("error", {}).get("message", exc.reason)
+        except (ValueError, AttributeError):  # not the daemon's JSON error (a proxy's page, say)
+            detail = exc.reason
         print(f"dormouse: {command} refused ({exc.code}): {detail}", file=sys.stderr)
         return 1
     except (urllib.error.URLError, OSError) as exc:
@@ -92,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     args = vars(_parser().parse_args(argv))
     command = args.pop("command")
     if command in ("status", "sleep", "wake"):
-        return _remote(command, args["url"], args["admin_key"])
+        return _remote(command, args["url"], args["admin_key"], args["api_key"])
     config_file = args.pop("config", None)
     try:
         settings = load_settings(config_file, args)

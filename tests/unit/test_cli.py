@@ -30,3 +30,68 @@ def test_check_config_checks_model_files(capsys, tmp_path):
 def test_serve_refuses_a_missing_model_before_binding(capsys, tmp_path):
     assert main(["serve", "--model", str(tmp_path / "absent.gguf")]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+class _Recorder:
+    """A stand-in daemon on a free port that records what the CLI sends."""
+
+    def __init__(self, status: int = 200, body: bytes = b'{"state": "sleeping"}') -> None:
+        import http.server
+        import threading
+
+        recorder = self
+        self.seen: list[dict] = []
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def _answer(self):
+                length = int(self.headers.get("Content-Length") or 0)
+                recorder.seen.append({"method": self.command, "path": self.path, "headers": dict(self.headers),
+                                      "body": self.rfile.read(length)})
+                self.send_response(status)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            do_GET = do_POST = _answer
+
+            def log_message(self, *args):
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_sleep_and_wake_send_a_json_body_and_the_right_key(monkeypatch, capsys):
+    """The daemon refuses a POST body not declared JSON (urllib would declare a form)."""
+    monkeypatch.delenv("DORMOUSE_ADMIN_KEY", raising=False)
+    monkeypatch.delenv("DORMOUSE_API_KEY", raising=False)
+    daemon = _Recorder()
+    try:
+        assert main(["sleep", "--url", daemon.url, "--admin-key", "adm", "--api-key", "api"]) == 0
+        assert main(["wake", "--url", daemon.url, "--api-key", "api"]) == 0  # no admin key: the API key stands in
+        assert main(["status", "--url", daemon.url, "--admin-key", "adm", "--api-key", "api"]) == 0
+        assert main(["status", "--url", daemon.url, "--admin-key", "adm"]) == 0
+        sleep, wake, status, status_admin = daemon.seen
+        for post in (sleep, wake):
+            assert post["method"] == "POST" and post["headers"]["Content-Type"] == "application/json"
+            assert post["body"] == b"{}"
+        assert sleep["headers"]["Authorization"] == "Bearer adm" and wake["headers"]["Authorization"] == "Bearer api"
+        assert status["method"] == "GET" and status["path"] == "/props" and "Content-Type" not in status["headers"]
+        assert status["headers"]["Authorization"] == "Bearer api"  # /props takes the API key first
+        assert status_admin["headers"]["Authorization"] == "Bearer adm"
+    finally:
+        daemon.close()
+
+
+def test_an_error_that_is_not_the_daemons_json_is_reported_not_raised(capsys):
+    daemon = _Recorder(status=502, body=b"<html>bad gateway</html>")
+    try:
+        assert main(["wake", "--url", daemon.url]) == 1
+        assert "wake refused (502)" in capsys.readouterr().err
+    finally:
+        daemon.close()
