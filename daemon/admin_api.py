@@ -79,13 +79,18 @@ async def wake(request: web.Request) -> web.Response:
     if not ok:
         raise ApiError(409, message, "cannot_wake")
     settled = {ServerState.READY, ServerState.FAILED, ServerState.STOPPING}
-    await controller.wait_for(lambda s: s in settled, request.app[SETTINGS].wake_timeout)
+    wake_timeout = request.app[SETTINGS].wake_timeout
+    await controller.wait_for(lambda s: s in settled, wake_timeout)
     state = controller.state
     if state is ServerState.FAILED:
         raise ApiError(503, f"wake failed: {controller.machine.failure_reason}", "model_load_failed",
                        retry_after=controller.machine.retry_delay)
-    return web.json_response({"ok": state is ServerState.READY, "message": message, "state": str(state),
-                              "last_wake": controller.last_wake})
+    if state is ServerState.STOPPING:
+        raise ApiError(503, "the server is shutting down", "shutting_down", retry_after=1)
+    if state is not ServerState.READY:  # the wake goes on; this caller stops waiting for it
+        raise ApiError(503, f"the model did not become ready within {wake_timeout:g}s (wake_timeout); it is still "
+                       f"{state} and the wake goes on", "wake_timeout", retry_after=5)
+    return web.json_response({"ok": True, "message": message, "state": str(state), "last_wake": controller.last_wake})
 
 
 async def openapi(request: web.Request) -> web.Response:

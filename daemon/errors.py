@@ -6,9 +6,9 @@ import math
 
 from aiohttp import web
 
-_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-          405: "invalid_request_error", 409: "conflict_error", 413: "invalid_request_error",
-          503: "service_unavailable_error"}
+_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+          404: "not_found_error", 405: "invalid_request_error", 409: "conflict_error", 413: "invalid_request_error",
+          415: "invalid_request_error", 503: "service_unavailable_error"}
 
 
 class ApiError(Exception):

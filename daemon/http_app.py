@@ -1,13 +1,40 @@
-"""The aiohttp application: composition only. Handlers live in openai_api
-and admin_api; the controller and settings are reached through AppKeys."""
+"""The aiohttp application: composition, and the one middleware that decides
+who may call what before any handler runs. Handlers live in openai_api and
+admin_api; the controller and settings are reached through AppKeys.
+
+Access, in order (each refusal is an OpenAI error body):
+- Host: with `allowed_hosts` set, a Host header naming another host is 403.
+  A web page on a rebinding domain (evil.example resolving to 127.0.0.1)
+  reaches the daemon with its own name in Host.
+- Origin: a POST whose Origin header names another host than Host is 403.
+  Browsers send Origin on every cross-origin POST (no-cors fetches and form
+  posts included); curl and API clients send none. The daemon answers no
+  CORS, so no legitimate browser page on another origin is refused by this.
+- Keys: /v1/*, /props and /slots need `api_key` (props and slots expose paths
+  and request ids; the admin key works there too), /sleep and /wake need
+  `admin_key`, or `api_key` when no admin key is set, /health and /metrics
+  need `metrics_key` when one is set. 401 otherwise.
+- Content-Type: a POST body must be declared `application/json` (415
+  otherwise): a page can POST text/plain or a form cross-origin without a
+  preflight, never application/json. /sleep and /wake may have no body and
+  no Content-Type at all (`curl -XPOST .../sleep`; aiohttp's client says
+  application/octet-stream for no body, which is let through too).
+
+Every answered request gets one `request` log line (endpoint, status, code);
+generation requests log theirs in openai_api with their timings.
+"""
 
 from __future__ import annotations
 
 import hmac
+import time
 
 from aiohttp import web
+from pydantic import SecretStr
+from yarl import URL
 
 from config import Settings
+from config.settings import normalize_host
 from daemon.controller import Controller
 from daemon.errors import ApiError
 from daemon.metrics import Metrics
@@ -17,40 +44,153 @@ SETTINGS = web.AppKey("settings", Settings)
 METRICS = web.AppKey("metrics", Metrics)
 LOG = web.AppKey("log", object)
 
+LOGGED = web.RequestKey("logged", bool)  # set by run_job, which writes the request's log line itself
+
 ADMIN_PATHS = frozenset({"/sleep", "/wake"})
+PROBE_PATHS = frozenset({"/health", "/metrics"})
+PRIVATE_GET_PATHS = frozenset({"/props", "/slots"})
+# Their endpoint names in logs and metrics labels (as the jobs' names).
+GENERATION_ENDPOINTS = {"/v1/completions": "completions", "/v1/chat/completions": "chat.completions"}
+# Successful answers here change nothing and come every few seconds (probes,
+# scrapes): their log line is at debug level.
+QUIET_PATHS = frozenset({"/health", "/metrics", "/props", "/slots", "/v1/models", "/openapi.json"})
+JSON = "application/json"
 
 
-def _bearer(request: web.Request) -> str:
-    header = request.headers.get("Authorization", "")
-    return header[7:].strip() if header.lower().startswith("bearer ") else request.headers.get("X-Api-Key", "")
+def _split_host(value: str) -> tuple[str, int | None]:
+    """('example.com', 8080) from 'example.com:8080'; IPv6 in brackets; ('', None) when unreadable."""
+    value = value.strip()
+    if value.startswith("["):
+        host, bracket, rest = value[1:].partition("]")
+        port = rest[1:] if rest.startswith(":") else None
+        if not bracket or (rest and port is None):
+            return "", None
+    elif value.count(":") == 1:
+        host, port = value.split(":")
+    else:
+        host, port = value, None
+    if port is not None and not (port.isascii() and port.isdigit() and len(port) <= 5):
+        return "", None
+    return normalize_host(host), int(port) if port else None
 
 
-def _check_key(request: web.Request, key, what: str) -> None:
-    if key is None:
+def _check_host(request: web.Request, settings: Settings) -> None:
+    if not settings.allowed_hosts:
         return
-    given = _bearer(request).encode()
-    if not hmac.compare_digest(given, key.get_secret_value().encode()):
+    host, _ = _split_host(request.headers.get("Host", ""))
+    if not host or host not in settings.allowed_hosts:
+        raise ApiError(403, "this host name is not served here (allowed_hosts)", "host_not_allowed")
+
+
+def _same_origin(origin: str, host_header: str) -> bool:
+    try:
+        url = URL(origin)
+        origin_host, origin_port = normalize_host(url.host or ""), url.port  # yarl gives the scheme's default port
+    except (ValueError, TypeError):
+        return False
+    host, port = _split_host(host_header)
+    # A Host without port means the default port of the scheme the browser used, the Origin's.
+    return bool(host) and host == origin_host and (port or origin_port) == origin_port
+
+
+def _check_origin(request: web.Request) -> None:
+    origin = request.headers.get("Origin")
+    if request.method == "POST" and origin is not None and not _same_origin(origin, request.headers.get("Host", "")):
+        raise ApiError(403, "cross-origin POST refused: the Origin header names another host than Host", "cross_origin")
+
+
+def _bearer(request: web.Request) -> bytes:
+    header = request.headers.get("Authorization", "")
+    value = header[7:].strip() if header[:7].lower() == "bearer " else request.headers.get("X-Api-Key", "")
+    # aiohttp hands non-ASCII header bytes over as surrogates; compare bytes, never raise.
+    return value.encode("utf-8", "surrogateescape")
+
+
+def _keys_for(path: str, settings: Settings) -> tuple[list[SecretStr], str]:
+    """The keys any one of which opens `path` (none: open), and what to call them."""
+    if path.startswith("/v1/"):
+        return [k for k in (settings.api_key,) if k], "API key"
+    if path in PRIVATE_GET_PATHS:
+        return ([settings.api_key, settings.admin_key] if settings.api_key else []), "API key"
+    if path in ADMIN_PATHS:
+        if settings.admin_key:
+            return [settings.admin_key], "admin key"
+        return [k for k in (settings.api_key,) if k], "API key"
+    if path in PROBE_PATHS:
+        return [k for k in (settings.metrics_key,) if k], "metrics key"
+    return [], ""
+
+
+def _check_key(request: web.Request, settings: Settings) -> None:
+    keys, what = _keys_for(request.path, settings)
+    if not keys:
+        return
+    given = _bearer(request)
+    # Every key is compared (no early exit), each in constant time.
+    matches = [hmac.compare_digest(given, k.get_secret_value().encode("utf-8", "surrogateescape")) for k in keys if k]
+    if not any(matches):
         raise ApiError(401, f"missing or wrong {what} (send 'Authorization: Bearer <key>')", "invalid_api_key")
+
+
+def _check_content_type(request: web.Request) -> None:
+    if request.method != "POST" or request.match_info.http_exception is not None:
+        return  # not a route that takes a body: 404/405 follow
+    declared = request.headers.get("Content-Type")
+    # No body at all on /sleep and /wake: curl -XPOST and httpx send no type, aiohttp's client
+    # application/octet-stream, which no browser sends cross-origin without a preflight.
+    if request.path in ADMIN_PATHS and not request.body_exists and (
+            declared is None or request.content_type == "application/octet-stream"):
+        return
+    if declared is None or request.content_type.lower() != JSON:
+        shown = "no Content-Type" if declared is None else f"Content-Type {request.content_type!r}"
+        raise ApiError(415, f"{shown}: send the body as 'Content-Type: application/json'", "unsupported_media_type")
+
+
+def check_access(request: web.Request, settings: Settings) -> None:
+    _check_host(request, settings)
+    _check_origin(request)
+    _check_key(request, settings)
+    _check_content_type(request)
+
+
+def _log_answer(request: web.Request, status: int, code: str | None, started: float) -> None:
+    if request.get(LOGGED):
+        return
+    endpoint = GENERATION_ENDPOINTS.get(request.path)
+    quiet = status < 400 and request.path in QUIET_PATHS
+    log = request.app[LOG]
+    (log.debug if quiet else log.info)("request", endpoint=endpoint or request.path[:200], method=request.method,
+                                       status=status, code=code, seconds=round(time.monotonic() - started, 4))
+    if endpoint is not None:  # refused before it became a job; a client's path never becomes a label
+        request.app[METRICS].requests.labels(endpoint=endpoint, status=str(status)).inc()
 
 
 @web.middleware
 async def errors_and_access(request: web.Request, handler):
     settings = request.app[SETTINGS]
+    started = time.monotonic()
     try:
-        if request.path.startswith("/v1/"):
-            _check_key(request, settings.api_key, "API key")
-        elif request.path in ADMIN_PATHS:
-            _check_key(request, settings.admin_key, "admin key")
-        return await handler(request)
+        check_access(request, settings)
+        response = await handler(request)
     except ApiError as exc:
-        return exc.response()
+        response = exc.response()
+        _log_answer(request, exc.status, exc.code, started)
+        return response
     except web.HTTPRequestEntityTooLarge:
-        return ApiError(413, f"request body is larger than {settings.max_body_bytes} bytes (max_body_bytes)",
-                        "request_too_large").response()
+        error = ApiError(413, f"request body is larger than {settings.max_body_bytes} bytes (max_body_bytes)",
+                         "request_too_large")
+        _log_answer(request, 413, error.code, started)
+        return error.response()
     except web.HTTPException as exc:
-        if exc.status >= 400 and exc.content_type != "application/json":
+        _log_answer(request, exc.status, None, started)
+        if exc.status >= 400 and exc.content_type != JSON:
             return ApiError(exc.status, exc.reason or "error", None).response()
         raise
+    except Exception:
+        _log_answer(request, 500, "internal_error", started)
+        raise
+    _log_answer(request, response.status, None, started)
+    return response
 
 
 def build_app(controller: Controller, settings: Settings, metrics: Metrics, log) -> web.Application:

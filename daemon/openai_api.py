@@ -8,7 +8,6 @@ there, so a rejected or timed-out request still gets a proper status code.
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 from typing import Any
@@ -20,25 +19,34 @@ from pydantic import BaseModel, ValidationError
 
 from daemon import protocol as p
 from daemon.errors import ApiError
-from daemon.http_app import CONTROLLER, LOG, METRICS, SETTINGS
+from daemon.http_app import CONTROLLER, LOG, LOGGED, METRICS, SETTINGS
 from daemon.jobs import Job, JobFailure
-from daemon.schemas import ChatCompletionRequest, CompletionRequest, field_name
+from daemon.schemas import BodyError, ChatCompletionRequest, CompletionRequest, ImageRefused, decode_body, field_name
 
 
 async def parse_body(request: web.Request, model: type[BaseModel]) -> BaseModel:
+    """The validated body. Runs on the event loop: unknown fields are skipped
+    undecoded and containers are counted before their items are validated,
+    so this stays cheap for any body under max_body_bytes."""
     raw = await request.read()
+    max_prompt_tokens = request.app[SETTINGS].ctx_size  # no slot holds more
     try:
-        data = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        data = decode_body(raw, model, max_prompt_tokens)
+    except msgspec.ValidationError:  # JSON, but not an object
+        raise ApiError(400, "request body must be a JSON object", "invalid_json") from None
+    except msgspec.DecodeError as exc:
         raise ApiError(400, f"request body is not valid JSON: {exc}", "invalid_json") from None
-    if not isinstance(data, dict):
-        raise ApiError(400, "request body must be a JSON object", "invalid_json")
+    except RecursionError:
+        raise ApiError(400, "request body is not valid JSON: nested too deeply", "invalid_json") from None
+    except BodyError as exc:
+        raise ApiError(400, str(exc), "invalid_value", param=exc.param) from None
     try:
-        return model.model_validate(data)
+        return model.model_validate(data, context={"max_prompt_tokens": max_prompt_tokens})
     except ValidationError as exc:
         err = exc.errors()[0]
         name = field_name(err["loc"]) or "body"
-        raise ApiError(400, f"{name}: {err['msg']}", "invalid_value", param=name) from None
+        message = str(err["msg"]).removeprefix("Value error, ")
+        raise ApiError(400, f"{name}: {message}", "invalid_value", param=name) from None
 
 
 def model_alias(request: web.Request) -> str:
@@ -47,21 +55,27 @@ def model_alias(request: web.Request) -> str:
     return Path(path).stem
 
 
+_NO_USAGE: Any = object()  # the body has no "usage" key at all
+
+
 class _Shape:
     """How one endpoint's responses look."""
 
     object_name: str
     chunk_name: str
 
-    def __init__(self, request_id: str, model: str) -> None:
+    def __init__(self, request_id: str, model: str, include_usage: bool = False) -> None:
         self.id = request_id
         self.model = model
         self.created = int(time.time())
+        # As OpenAI's: with stream_options.include_usage every chunk carries
+        # "usage": null, and the last one (no choices) carries the usage.
+        self.chunk_usage = None if include_usage else _NO_USAGE
 
-    def envelope(self, object_name: str, choices: list[dict], usage: dict | None = None) -> dict[str, Any]:
+    def envelope(self, object_name: str, choices: list[dict], usage: dict | None = _NO_USAGE) -> dict[str, Any]:
         body: dict[str, Any] = {"id": self.id, "object": object_name, "created": self.created, "model": self.model,
                                 "choices": choices}
-        if usage is not None:
+        if usage is not _NO_USAGE:
             body["usage"] = usage
         return body
 
@@ -71,7 +85,8 @@ class CompletionShape(_Shape):
         return self.envelope("text_completion", [{"index": 0, "text": text, "logprobs": None, "finish_reason": reason}], usage)
 
     def chunk(self, text: str, reason: str | None = None) -> dict:
-        return self.envelope("text_completion", [{"index": 0, "text": text, "logprobs": None, "finish_reason": reason}])
+        return self.envelope("text_completion", [{"index": 0, "text": text, "logprobs": None, "finish_reason": reason}],
+                             self.chunk_usage)
 
     def first_chunk(self) -> dict | None:
         return None
@@ -87,11 +102,12 @@ class ChatShape(_Shape):
 
     def chunk(self, text: str | None, reason: str | None = None) -> dict:
         delta = {} if text is None else {"content": text}
-        return self.envelope("chat.completion.chunk", [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}])
+        return self.envelope("chat.completion.chunk", [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}],
+                             self.chunk_usage)
 
     def first_chunk(self) -> dict | None:
         return self.envelope("chat.completion.chunk", [{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                                         "logprobs": None, "finish_reason": None}])
+                                                         "logprobs": None, "finish_reason": None}], self.chunk_usage)
 
     def usage_chunk(self, usage: dict) -> dict:
         return self.envelope("chat.completion.chunk", [], usage)
@@ -132,7 +148,8 @@ async def run_job(request: web.Request, job: Job, shape: _Shape, stream: bool, i
     controller = request.app[CONTROLLER]
     metrics = request.app[METRICS]
     structlog.contextvars.bind_contextvars(request_id=job.id)
-    status = 200
+    request[LOGGED] = True  # the line below, with the job's timings
+    status, code = 200, None
     try:
         item = await _first_item(request, job)
         if _is_failure(item):
@@ -147,11 +164,11 @@ async def run_job(request: web.Request, job: Job, shape: _Shape, stream: bool, i
             raise _failure_error(item)
         return web.json_response(shape.final("".join(parts), item.finish_reason, _usage(item)))
     except ApiError as exc:
-        status = exc.status
+        status, code = exc.status, exc.code
         raise
     finally:
         controller.abandon(job)  # no-op once finished; frees the slot if the client left
-        request.app[LOG].info("request", endpoint=job.endpoint, status=status, stream=stream, cold=job.cold,
+        request.app[LOG].info("request", endpoint=job.endpoint, status=status, code=code, stream=stream, cold=job.cold,
                               seconds=round(time.monotonic() - job.accepted_at, 4), finished=job.finished)
         metrics.requests.labels(endpoint=job.endpoint, status=str(status)).inc()
         metrics.request_seconds.labels(endpoint=job.endpoint, outcome="ok" if status == 200 else "error").observe(
@@ -191,17 +208,20 @@ async def _stream(request: web.Request, job: Job, shape: _Shape, item, include_u
 async def completions(request: web.Request) -> web.StreamResponse:
     body = await parse_body(request, CompletionRequest)
     job = request.app[CONTROLLER].new_job("completions", body.sampling(body.max_tokens), prompt=body.prompt_value())
-    return await run_job(request, job, CompletionShape(f"cmpl-{job.id}", model_alias(request)), body.stream, body.include_usage)
+    shape = CompletionShape(f"cmpl-{job.id}", model_alias(request), body.include_usage)
+    return await run_job(request, job, shape, body.stream, body.include_usage)
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     body = await parse_body(request, ChatCompletionRequest)
-    try:
-        messages = [m.to_protocol() for m in body.messages]
-    except ValueError as exc:
-        raise ApiError(400, str(exc), "invalid_image", param="messages") from None
+    settings = request.app[SETTINGS]
+    try:  # images are counted and their headers read here: the worker never sees one that is refused
+        messages = body.protocol_messages(settings.max_images_per_request, settings.max_image_pixels)
+    except ImageRefused as exc:
+        raise ApiError(400, str(exc), exc.code, param="messages") from None
     job = request.app[CONTROLLER].new_job("chat.completions", body.sampling(body.token_limit), messages=messages)
-    return await run_job(request, job, ChatShape(f"chatcmpl-{job.id}", model_alias(request)), body.stream, body.include_usage)
+    shape = ChatShape(f"chatcmpl-{job.id}", model_alias(request), body.include_usage)
+    return await run_job(request, job, shape, body.stream, body.include_usage)
 
 
 async def models(request: web.Request) -> web.Response:

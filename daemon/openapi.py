@@ -1,5 +1,8 @@
 """The daemon's OpenAPI document, built from the same pydantic models that
-validate requests, served at /openapi.json."""
+validate requests, served at /openapi.json.
+
+Every path may answer 403 (allowed_hosts; a cross-origin POST), every POST
+415 (a body not declared application/json), and a path behind a key 401."""
 
 from __future__ import annotations
 
@@ -26,7 +29,7 @@ def _generation(ref: str) -> dict[str, Any]:
             "responses": {
                 "200": {"description": "the completion (JSON, or SSE when stream is true)",
                         "content": {_JSON: {"schema": {"type": "object"}}, "text/event-stream": {"schema": {"type": "string"}}}},
-                **_error_responses(400, 401, 413, 503),
+                **_error_responses(400, 401, 403, 413, 415, 503),
             },
         }
     }
@@ -51,21 +54,24 @@ def openapi_document() -> dict[str, Any]:
                                  "properties": {"message": {"type": "string"}, "type": {"type": "string"},
                                                 "code": {"type": ["string", "null"]}, "param": {"type": ["string", "null"]}}}},
     }
+    # /sleep and /wake take no body; an empty one needs no Content-Type.
     admin = {"post": {"responses": {"200": {"description": "done", "content": {_JSON: {"schema": {"type": "object"}}}},
-                                    **_error_responses(401, 409, 503)}}}
+                                    **_error_responses(401, 403, 409, 415, 503)}}}
     return {
         "openapi": "3.1.0",
         "info": {"title": "Dormouse", "version": __version__},
         "paths": {
             "/v1/completions": _generation("CompletionRequest"),
             "/v1/chat/completions": _generation("ChatCompletionRequest"),
-            "/v1/models": _get("the loaded model", 401),
+            "/v1/models": _get("the loaded model", 401, 403),
             "/health": {"get": {"responses": {"200": {"description": "ok", "content": {_JSON: {"schema": {}}}},
-                                              "503": {"description": "loading or failed", "content": {_JSON: {"schema": {}}}}}}},
-            "/props": _get("server properties"),
-            "/slots": _get("slot states"),
+                                              "503": {"description": "loading or failed", "content": {_JSON: {"schema": {}}}},
+                                              **_error_responses(401, 403)}}},
+            "/props": _get("server properties", 401, 403),
+            "/slots": _get("slot states", 401, 403),
             "/metrics": {"get": {"responses": {"200": {"description": "Prometheus text",
-                                                        "content": {"text/plain": {"schema": {"type": "string"}}}}}}},
+                                                        "content": {"text/plain": {"schema": {"type": "string"}}}},
+                                               **_error_responses(401, 403)}}},
             "/sleep": admin,
             "/wake": admin,
         },

@@ -1,19 +1,101 @@
 """OpenAI request bodies, validated with pydantic, and their mapping onto the
 worker protocol. Unknown fields are accepted and ignored (clients send
-extras); OpenAI fields Dormouse cannot honour are refused by name."""
+extras); OpenAI fields Dormouse cannot honour are refused by name.
+
+Bounds: every integer that reaches llama.cpp fits its int32 (ctypes wraps
+silently), and every container a client sizes is counted before pydantic
+validates its items, so an 8 MiB body of tiny items is refused at the cost
+of a len(), not of a validator per item.
+"""
 
 from __future__ import annotations
 
 import base64
 import binascii
-from typing import Annotated, Any, Literal
+from functools import cache
+from typing import Annotated, Any, Callable, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+import msgspec
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from daemon import protocol as p
+from daemon.images import ImageHeaderError, read_header
 
-Stop = str | Annotated[list[str], Field(max_length=16)] | None
-TokenId = Annotated[int, Field(ge=0, lt=2**31)]
+INT32_MAX = 2**31 - 1
+MAX_STOPS = 16
+MAX_STOP_CHARS = 512  # the worker matches every stop against held-back text per token
+MAX_LOGIT_BIAS = 1024
+MAX_MESSAGES = 4096
+MAX_CONTENT_PARTS = 1024  # per message
+MAX_PROMPT_TOKENS = 1_048_576  # token ids in one prompt when no ctx_size is given
+
+# The constraints in the types document the bounds (OpenAPI); the "before"
+# validators below enforce them first, with messages that name the limit.
+StopString = Annotated[str, Field(max_length=MAX_STOP_CHARS)]
+Stop = StopString | Annotated[list[StopString], Field(max_length=MAX_STOPS)] | None
+TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
+
+
+def _at_most(value: Any, limit: int, what: str) -> Any:
+    """Refuse a list or object longer than `limit` before its items are validated."""
+    if isinstance(value, (list, dict)) and len(value) > limit:
+        raise ValueError(f"at most {limit} {what}, got {len(value)}")
+    return value
+
+
+class BodyError(ValueError):
+    """A field refused before it is decoded; `param` names it."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+@cache
+def _envelope(model: type[BaseModel]) -> msgspec.json.Decoder:
+    # The model's fields as undecoded JSON: the decoder skips every other key
+    # without building it (an 8 MiB object of unknown keys costs a scan).
+    fields = [(name, msgspec.Raw, msgspec.Raw()) for name in model.model_fields]
+    return msgspec.json.Decoder(msgspec.defstruct(f"{model.__name__}Envelope", fields))
+
+
+def decode_body(raw: bytes, model: type[BaseModel], max_prompt_tokens: int = MAX_PROMPT_TOKENS) -> dict[str, Any]:
+    """The fields of a JSON object body that `model` knows, decoded; unknown
+    fields are accepted and ignored (clients send extras). Raises
+    msgspec.ValidationError for a body that is not an object,
+    msgspec.DecodeError for one that is not JSON, RecursionError for one nested
+    too deeply, BodyError for a field refused by its size alone."""
+    envelope = _envelope(model).decode(raw)
+    out = {}
+    for name in model.model_fields:
+        value = getattr(envelope, name)
+        if not len(value):
+            continue  # absent
+        if name == "logit_bias":
+            _logit_bias_bound(bytes(value))
+        elif name == "prompt":
+            _token_list_bound(bytes(value), max_prompt_tokens)
+        out[name] = msgspec.json.decode(value)
+    return out
+
+
+# Two fields whose valid values have one separator per item outside any
+# string, so counting bytes bounds them before millions of objects are built.
+# A count that a string inflates belongs to a value that is invalid anyway.
+
+def _logit_bias_bound(raw: bytes) -> None:
+    entries = raw.count(b":")  # keys are digits, values numbers: one colon per entry
+    if raw.lstrip().startswith(b"{") and entries > MAX_LOGIT_BIAS:
+        raise BodyError(f"logit_bias: at most {MAX_LOGIT_BIAS} entries (token id: bias), got {entries}", "logit_bias")
+
+
+def _token_list_bound(raw: bytes, limit: int) -> None:
+    head = raw.lstrip()
+    first = head[1:].lstrip()[:1]
+    if head.startswith(b"[") and first and first in b"-0123456789":  # token ids, not a list of one string
+        items = raw.count(b",") + 1
+        if items > limit:
+            raise BodyError(f"prompt: at most {limit} prompt token ids (ctx_size), got {items}", "prompt")
 
 
 class StreamOptions(BaseModel):
@@ -26,7 +108,7 @@ class SamplingFields(BaseModel):
     model: str | None = None
     temperature: float = Field(0.8, ge=0.0, le=2.0)
     top_p: float = Field(0.95, gt=0.0, le=1.0)
-    top_k: int = Field(40, ge=0)
+    top_k: int = Field(40, ge=0, le=INT32_MAX)
     min_p: float = Field(0.05, ge=0.0, le=1.0)
     seed: int | None = Field(None, ge=0, le=2**63 - 1)
     stop: Stop = None
@@ -35,18 +117,33 @@ class SamplingFields(BaseModel):
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     repeat_penalty: float = Field(1.0, gt=0.0, le=10.0)
-    repeat_last_n: int = Field(64, ge=-1)
-    logit_bias: dict[str, float] | None = None
+    repeat_last_n: int = Field(64, ge=-1, le=INT32_MAX, description="-1: the slot's context")
+    logit_bias: Annotated[dict[str, float], Field(max_length=MAX_LOGIT_BIAS)] | None = None
     ignore_eos: bool = False
     n: int = Field(1, ge=1, le=1, description="only 1 choice per request is supported")
     user: str | None = None
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop_bounds(cls, value: Any) -> Any:
+        _at_most(value, MAX_STOPS, "stop strings")
+        for stop in [value] if isinstance(value, str) else value if isinstance(value, list) else []:
+            if isinstance(stop, str) and len(stop) > MAX_STOP_CHARS:
+                raise ValueError(f"a stop string has at most {MAX_STOP_CHARS} characters, got {len(stop)}")
+        return value
+
+    @field_validator("logit_bias", mode="before")
+    @classmethod
+    def _logit_bias_size(cls, value: Any) -> Any:
+        return _at_most(value, MAX_LOGIT_BIAS, "logit_bias entries")
 
     @field_validator("logit_bias")
     @classmethod
     def _token_ids(cls, value: dict[str, float] | None) -> dict[str, float] | None:
         for key, bias in (value or {}).items():
-            if not key.isdigit() or int(key) >= 2**31:
-                raise ValueError(f"logit_bias keys are token ids, got {key!r}")
+            # ASCII digits only: str.isdigit() also accepts '²' and other scripts' digits.
+            if not (key.isascii() and key.isdigit() and len(key) <= 10 and int(key) <= INT32_MAX):
+                raise ValueError(f"logit_bias keys are token ids, got {key[:32]!r}")
             if not -100.0 <= bias <= 100.0:
                 raise ValueError(f"logit_bias for {key} must be within [-100, 100]")
         return value
@@ -82,6 +179,13 @@ class CompletionRequest(SamplingFields):
     best_of: Literal[1] | None = None
     suffix: None = None
 
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _prompt_size(cls, value: Any, info: ValidationInfo) -> Any:
+        # No slot holds more than the whole context (the HTTP layer passes ctx_size).
+        limit = (info.context or {}).get("max_prompt_tokens", MAX_PROMPT_TOKENS)
+        return _at_most(value, limit, "prompt token ids (ctx_size)")
+
     def prompt_value(self) -> str | list[int]:
         if isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], str):
             return self.prompt[0]
@@ -98,6 +202,14 @@ class ImageURL(BaseModel):
     detail: str | None = None
 
 
+class ImageRefused(ValueError):
+    """An image the daemon will not hand to the worker; `code` is the error code."""
+
+    def __init__(self, message: str, code: str = "invalid_image") -> None:
+        super().__init__(message)
+        self.code = code
+
+
 class ImagePart(BaseModel):
     type: Literal["image_url"]
     image_url: ImageURL
@@ -105,20 +217,51 @@ class ImagePart(BaseModel):
     def image_bytes(self) -> bytes:
         url = self.image_url.url
         if not url.startswith("data:") or ";base64," not in url:
-            raise ValueError("image_url must be a data: URL with base64 content (no remote fetching)")
+            raise ImageRefused("image_url must be a data: URL with base64 content (no remote fetching)")
         try:
             return base64.b64decode(url.split(";base64,", 1)[1], validate=True)
         except (binascii.Error, ValueError):
-            raise ValueError("image_url data is not valid base64") from None
+            raise ImageRefused("image_url data is not valid base64") from None
+
+
+def image_checker(max_pixels: int) -> Callable[[ImagePart], bytes]:
+    """Decodes each image of one request in order and reads its header: one
+    too large (declared size), or not PNG/JPEG/GIF/BMP, is refused by its
+    number in the request before any pixel is decoded."""
+    count = 0
+
+    def check(part: ImagePart) -> bytes:
+        nonlocal count
+        count += 1
+        data = part.image_bytes()
+        try:
+            info = read_header(data)
+        except ImageHeaderError as exc:
+            raise ImageRefused(f"image {count}: {exc}") from None
+        if info.pixels > max_pixels:
+            raise ImageRefused(f"image {count} is {info.width}x{info.height} = {info.pixels} pixels; at most "
+                               f"{max_pixels} are accepted (max_image_pixels)", "image_too_large")
+        return data
+
+    return check
 
 
 class ChatMessageIn(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[Annotated[TextPart | ImagePart, Field(discriminator="type")]] | None = None
+    content: str | Annotated[list[Annotated[TextPart | ImagePart, Field(discriminator="type")]],
+                             Field(max_length=MAX_CONTENT_PARTS)] | None = None
 
-    def to_protocol(self) -> p.ChatMessage:
+    @field_validator("content", mode="before")
+    @classmethod
+    def _parts(cls, value: Any) -> Any:
+        return _at_most(value, MAX_CONTENT_PARTS, "content parts in a message")
+
+    def images(self) -> list[ImagePart]:
+        return [part for part in self.content or () if isinstance(part, ImagePart)]
+
+    def to_protocol(self, image: Callable[[ImagePart], bytes]) -> p.ChatMessage:
         role = "system" if self.role == "developer" else self.role
         if self.content is None or isinstance(self.content, str):
             return p.ChatMessage(role, self.content or "")
@@ -127,23 +270,39 @@ class ChatMessageIn(BaseModel):
             if isinstance(part, TextPart):
                 parts.append(p.ChatPart("text", text=part.text))
             else:
-                parts.append(p.ChatPart("image", image=part.image_bytes()))
+                parts.append(p.ChatPart("image", image=image(part)))
         return p.ChatMessage(role, parts)
 
 
 class ChatCompletionRequest(SamplingFields):
-    messages: Annotated[list[ChatMessageIn], Field(min_length=1)]
+    messages: Annotated[list[ChatMessageIn], Field(min_length=1, max_length=MAX_MESSAGES)]
     max_tokens: int | None = Field(None, ge=1, le=1_000_000)
     max_completion_tokens: int | None = Field(None, ge=1, le=1_000_000)
     tools: None = Field(None, description="tool calling is not supported")
     tool_choice: None = None
     logprobs: Literal[False] | None = None
 
+    @field_validator("messages", mode="before")
+    @classmethod
+    def _message_count(cls, value: Any) -> Any:
+        return _at_most(value, MAX_MESSAGES, "messages")
+
     @property
     def token_limit(self) -> int:
         return self.max_completion_tokens or self.max_tokens or 256
 
+    def protocol_messages(self, max_images: int, max_image_pixels: int) -> list[p.ChatMessage]:
+        """The messages for the worker; raises ImageRefused for too many images
+        (counted before any is decoded) or for one that is refused."""
+        n_images = sum(len(m.images()) for m in self.messages)
+        if n_images > max_images:
+            raise ImageRefused(f"{n_images} images in one request; at most {max_images} are accepted "
+                               "(max_images_per_request)", "too_many_images")
+        check = image_checker(max_image_pixels)
+        return [m.to_protocol(check) for m in self.messages]
+
 
 def field_name(loc: tuple[Any, ...]) -> str:
     """'messages.0.content' from pydantic's error location."""
-    return ".".join(str(part) for part in loc if not str(part).startswith(("function-", "list[", "str", "int")))
+    return ".".join(str(part) for part in loc
+                    if not str(part).startswith(("function-", "list[", "str", "int", "constrained-", "dict[")))
