@@ -51,8 +51,8 @@ PROBE_PATHS = frozenset({"/health", "/metrics"})
 PRIVATE_GET_PATHS = frozenset({"/props", "/slots"})
 # Their endpoint names in logs and metrics labels (as the jobs' names).
 GENERATION_ENDPOINTS = {"/v1/completions": "completions", "/v1/chat/completions": "chat.completions"}
-# Successful answers here change nothing and come every few seconds (probes,
-# scrapes): their log line is at debug level.
+# Answers here change nothing and come every few seconds (probes, scrapes):
+# their log line is at debug level, unless the request was refused.
 QUIET_PATHS = frozenset({"/health", "/metrics", "/props", "/slots", "/v1/models", "/openapi.json"})
 JSON = "application/json"
 
@@ -157,7 +157,7 @@ def _log_answer(request: web.Request, status: int, code: str | None, started: fl
     if request.get(LOGGED):
         return
     endpoint = GENERATION_ENDPOINTS.get(request.path)
-    quiet = status < 400 and request.path in QUIET_PATHS
+    quiet = code is None and request.path in QUIET_PATHS  # /health's 503 while loading is an answer, not a refusal
     log = request.app[LOG]
     (log.debug if quiet else log.info)("request", endpoint=endpoint or request.path[:200], method=request.method,
                                        status=status, code=code, seconds=round(time.monotonic() - started, 4))

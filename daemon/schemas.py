@@ -237,7 +237,7 @@ def image_checker(max_pixels: int) -> Callable[[ImagePart], bytes]:
         try:
             info = read_header(data)
         except ImageHeaderError as exc:
-            raise ImageRefused(f"image {count}: {exc}") from None
+            raise ImageRefused(f"image {count} cannot be decoded: {exc}") from None
         if info.pixels > max_pixels:
             raise ImageRefused(f"image {count} is {info.width}x{info.height} = {info.pixels} pixels; at most "
                                f"{max_pixels} are accepted (max_image_pixels)", "image_too_large")

@@ -375,6 +375,8 @@ async def test_every_answered_request_gets_one_log_line_with_its_code():
             await client.post("/v1/completions", json={"prompt": "x" * 5000}, headers=key)  # 413
             await client.post("/v1/chat/completions", json=COMPLETION, headers={**key, "Origin": "http://evil.example"})  # 403
             await client.get("/nope")  # 404
+            await client.get("/health")  # an answer to a probe: at debug level
+            await client.get("/metrics")  # a scrape: at debug level too
             await client.post("/v1/completions", json=COMPLETION, headers=key)  # 200, logged by the job
         seen = [(e["endpoint"], e["status"], e.get("code")) for e in logs.requests()]
         assert seen == [("completions", 401, "invalid_api_key"),
