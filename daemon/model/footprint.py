@@ -33,9 +33,6 @@ CELL_PAD = 256
 F32 = 4
 F16 = 2
 
-# daemon/worker/runtime.py's VERIFY_GROUP (not imported: that module loads llama.cpp).
-VERIFY_GROUP = 4
-
 # Which layers use a sliding window when the GGUF does not say (llama.cpp's
 # set_swa_pattern(n) per architecture: layer il slides unless il % n == n - 1).
 # An architecture with a window but not listed here is sized as if every layer

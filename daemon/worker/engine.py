@@ -194,7 +194,8 @@ class Engine:
             except Exception as exc:  # noqa: BLE001 - a bug in one request's setup fails that request only
                 self.emit(p.Done(msg.request_id, "error", error=f"internal error: {exc!r}", error_code="internal_error"))
                 continue
-            self._assign(choose_slot(idle, tokens), msg, tokens, sampler)
+            slot = choose_slot(idle, tokens)
+            self._assign(slot, msg, tokens, sampler)
             if msg.messages is not None:
                 slot.job.end_tokens = self.end_of_turn
 
