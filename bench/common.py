@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def bundled_model() -> str:
     from config import Settings
-    from daemon.model_files import bundled_model as write
+    from daemon.model.files import bundled_model as write
 
     return str(write(Settings()))
 

@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
     if command == "check-config":
-        from daemon.model_files import ModelFileError, check_gguf
+        from daemon.model.files import ModelFileError, check_gguf
 
         print(json.dumps(settings.public_dict(), indent=2))
         try:
@@ -122,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         return 0
 
-    from daemon.model_files import ModelFileError, resolve_model_files
+    from daemon.model.files import ModelFileError, resolve_model_files
     from daemon.server import run
 
     try:

@@ -16,8 +16,8 @@ from typing import Any, Callable
 from aiohttp import web
 
 from config import ConfigError, Settings
-from daemon.controller import CANCEL_GRACE_SECONDS, Controller
-from daemon.http_app import build_app
+from daemon.model.controller import CANCEL_GRACE_SECONDS, Controller
+from daemon.http.app import build_app
 from daemon.logs import configure_logging, get_logger
 from daemon.metrics import Metrics
 from daemon.systemd import Notifier, inherited_socket, watchdog_interval

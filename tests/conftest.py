@@ -16,8 +16,8 @@ import httpx
 import pytest
 
 from config import Settings
-from daemon.controller import Controller
-from daemon.http_app import build_app
+from daemon.model.controller import Controller
+from daemon.http.app import build_app
 from daemon.logs import configure_logging, get_logger
 from daemon.metrics import Metrics
 
@@ -32,7 +32,7 @@ def free_port() -> int:
 
 @pytest.fixture(scope="session")
 def bundled_model() -> str:
-    from daemon.model_files import bundled_model as write_bundled
+    from daemon.model.files import bundled_model as write_bundled
 
     return str(write_bundled(Settings()))
 

@@ -21,7 +21,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from daemon.controller import Controller
+from daemon.model.controller import Controller
 from daemon.fleet.metrics import FleetMetrics
 from statemachine import Event, LoadNotAdmitted, RequestArrived, ServerState, SleepRequested
 from statemachine.fleet import EvictFirst, ModelView, Refuse, StartNow, Wait, plan_load

@@ -13,10 +13,10 @@ from prometheus_client import CollectorRegistry
 
 from config import Settings
 from daemon import protocol as p
-from daemon.controller import Controller
+from daemon.model.controller import Controller
 from daemon.fleet.metrics import FleetMetrics
 from daemon.fleet.owner import Fleet, FleetModel
-from daemon.jobs import JobFailure
+from daemon.model.jobs import JobFailure
 from daemon.logs import configure_logging, get_logger
 from daemon.metrics import Metrics
 from statemachine import ServerState

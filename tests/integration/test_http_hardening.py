@@ -16,7 +16,7 @@ from contextlib import asynccontextmanager
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from daemon.errors import ApiError
+from daemon.http.errors import ApiError
 from daemon.logs import configure_logging
 from statemachine import ServerState
 from tests.conftest import fake_daemon
@@ -258,8 +258,8 @@ def _huge_bodies():
 async def test_huge_bodies_are_refused_or_parsed_without_holding_the_loop(capsys):
     """Prints how long parse_body held the event loop for each body (shown with -s);
     asserts only what each body gets."""
-    from daemon.openai_api import parse_body
-    from daemon.schemas import ChatCompletionRequest, CompletionRequest
+    from daemon.http.openai_routes import parse_body
+    from daemon.http.schemas import ChatCompletionRequest, CompletionRequest
 
     async with daemon(max_body_bytes=8 * 1024 * 1024) as (controller, client):
         app = client.server.app

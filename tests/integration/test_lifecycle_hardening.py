@@ -10,7 +10,7 @@ import time
 
 import psutil
 
-from daemon.controller import POISON_CRASHES
+from daemon.model.controller import POISON_CRASHES
 from statemachine import ServerState, WorkerReady
 from tests.conftest import fake_daemon
 from tests.metrics_text import samples, value

@@ -144,7 +144,7 @@ def test_metadata_values_of_every_type(tmp_path):
 
 def test_the_bundled_vocabulary_is_skipped_not_decoded():
     from config import Settings
-    from daemon.model_files import bundled_model
+    from daemon.model.files import bundled_model
 
     header = read_header(bundled_model(Settings()))
     assert header.metadata["tokenizer.ggml.tokens"] == SkippedArray(gguf.GGUFValueType.STRING, 262144)
@@ -443,7 +443,7 @@ MEASURED_WITH_DRAFT = (4096, 4, 246583132, 100422123, 246583132, 100422123)
 @pytest.fixture(scope="module")
 def bundled() -> Path:
     from config import Settings
-    from daemon.model_files import bundled_model
+    from daemon.model.files import bundled_model
 
     return bundled_model(Settings())
 

@@ -1,4 +1,4 @@
-"""daemon.images: format and size from the header, on images written here by
+"""daemon.http.images: format and size from the header, on images written here by
 hand, and on truncated and hostile headers (which must raise ImageHeaderError,
 never anything else)."""
 
@@ -10,7 +10,7 @@ import zlib
 
 import pytest
 
-from daemon.images import ImageHeaderError, ImageInfo, read_header
+from daemon.http.images import ImageHeaderError, ImageInfo, read_header
 
 
 def png(width: int, height: int, pixels: bool = True) -> bytes:

@@ -30,10 +30,10 @@ import psutil
 from config import Settings
 from daemon import protocol as p
 from daemon.gpu import Nvml
-from daemon.jobs import Job, JobFailure
+from daemon.model.jobs import Job, JobFailure
 from daemon.metrics import Metrics
-from daemon.reports import phase_seconds, sleep_record, wake_record
-from daemon.supervisor import LoadFailed, Supervisor, Worker
+from daemon.model.reports import phase_seconds, sleep_record, wake_record
+from daemon.model.supervisor import LoadFailed, Supervisor, Worker
 from statemachine import (
     ArmIdleTimer,
     ArmRetryTimer,

@@ -19,7 +19,7 @@ import msgspec
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from daemon import protocol as p
-from daemon.images import ImageHeaderError, read_header
+from daemon.http.images import ImageHeaderError, read_header
 
 INT32_MAX = 2**31 - 1
 MAX_STOPS = 16

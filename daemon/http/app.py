@@ -1,6 +1,6 @@
 """The aiohttp application: composition, and the one middleware that decides
-who may call what before any handler runs. Handlers live in openai_api and
-admin_api; the controller and settings are reached through AppKeys.
+who may call what before any handler runs. Handlers live in openai_routes and
+admin_routes; the controller and settings are reached through AppKeys.
 
 Access, in order (each refusal is an OpenAI error body):
 - Host: with `allowed_hosts` set, a Host header naming another host is 403.
@@ -21,7 +21,7 @@ Access, in order (each refusal is an OpenAI error body):
   application/octet-stream for no body, which is let through too).
 
 Every answered request gets one `request` log line (endpoint, status, code);
-generation requests log theirs in openai_api with their timings.
+generation requests log theirs in openai_routes with their timings.
 """
 
 from __future__ import annotations
@@ -35,8 +35,8 @@ from yarl import URL
 
 from config import Settings
 from config.settings import normalize_host
-from daemon.controller import Controller
-from daemon.errors import ApiError
+from daemon.model.controller import Controller
+from daemon.http.errors import ApiError
 from daemon.metrics import Metrics
 
 CONTROLLER = web.AppKey("controller", Controller)
@@ -194,13 +194,13 @@ async def errors_and_access(request: web.Request, handler):
 
 
 def build_app(controller: Controller, settings: Settings, metrics: Metrics, log) -> web.Application:
-    from daemon import admin_api, openai_api
+    from daemon.http import admin_routes, openai_routes
 
     app = web.Application(middlewares=[errors_and_access], client_max_size=settings.max_body_bytes)
     app[CONTROLLER] = controller
     app[SETTINGS] = settings
     app[METRICS] = metrics
     app[LOG] = log
-    openai_api.add_routes(app)
-    admin_api.add_routes(app)
+    openai_routes.add_routes(app)
+    admin_routes.add_routes(app)
     return app

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from daemon.errors import ApiError
-from daemon.http_app import CONTROLLER, METRICS, SETTINGS
+from daemon.http.errors import ApiError
+from daemon.http.app import CONTROLLER, METRICS, SETTINGS
 from statemachine import ServerState, SleepRequested, WakeRequested
 
 
@@ -94,7 +94,7 @@ async def wake(request: web.Request) -> web.Response:
 
 
 async def openapi(request: web.Request) -> web.Response:
-    from daemon.openapi import openapi_document
+    from daemon.http.openapi import openapi_document
 
     return web.json_response(openapi_document())
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from daemon.supervisor import StartResult, StopResult
+from daemon.model.supervisor import StartResult, StopResult
 
 
 def wake_record(result: StartResult, reason: str, seconds: float) -> dict[str, Any]:

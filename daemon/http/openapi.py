@@ -12,7 +12,7 @@ from typing import Any
 from pydantic.json_schema import models_json_schema
 
 from daemon import __version__
-from daemon.schemas import ChatCompletionRequest, CompletionRequest
+from daemon.http.schemas import ChatCompletionRequest, CompletionRequest
 
 _ERROR = {"$ref": "#/components/schemas/Error"}
 _JSON = "application/json"

@@ -18,10 +18,10 @@ from aiohttp import web
 from pydantic import BaseModel, ValidationError
 
 from daemon import protocol as p
-from daemon.errors import ApiError
-from daemon.http_app import CONTROLLER, LOG, LOGGED, METRICS, SETTINGS
-from daemon.jobs import Job, JobFailure
-from daemon.schemas import BodyError, ChatCompletionRequest, CompletionRequest, ImageRefused, decode_body, field_name
+from daemon.http.errors import ApiError
+from daemon.http.app import CONTROLLER, LOG, LOGGED, METRICS, SETTINGS
+from daemon.model.jobs import Job, JobFailure
+from daemon.http.schemas import BodyError, ChatCompletionRequest, CompletionRequest, ImageRefused, decode_body, field_name
 
 
 async def parse_body(request: web.Request, model: type[BaseModel]) -> BaseModel:

@@ -1,0 +1,1 @@
+"""HTTP: the aiohttp app, the OpenAI routes, the admin routes, request schemas, OpenAPI."""
