@@ -14,7 +14,7 @@ import tomllib
 from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import Field, SecretStr, ValidationError, field_validator
+from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import (
     BaseSettings,
     NoDecode,
@@ -24,6 +24,9 @@ from pydantic_settings import (
 )
 
 ENV_PREFIX = "DORMOUSE_"
+
+
+from config.models import ModelSettings, check_model_ids, parse_size  # noqa: E402
 
 
 class ConfigError(ValueError):
@@ -99,6 +102,19 @@ class Settings(BaseSettings):
                                   description="largest image (width x height, read from its header) in a chat request")
     max_images_per_request: int = Field(8, ge=0, le=1024, description="most images in one chat request; 0 refuses images")
 
+    # -- several models (config/models.py) --
+    models: dict[str, ModelSettings] = Field(
+        default_factory=dict, max_length=64,
+        description="one [models.ID] table per model; none: the top-level keys describe a fleet of one")
+    default_model: str | None = Field(None, description="the model for requests that name none; default: the first table")
+    memory_budget: int | None = Field(
+        None, description="bytes the models may hold together (an int, or '20GiB'); default: the GPU's total less "
+                          "1 GiB, or on CPU 75% of the RAM available at start (dormouse check-config prints it)")
+
+    # -- scale-out --
+    agent_port: int | None = Field(None, ge=1, le=65535,
+                                   description="answer HAProxy's agent check on this port (weight by state); none: off")
+
     # -- operations --
     log_format: Literal["auto", "console", "json"] = "auto"
     log_level: Literal["debug", "info", "warning", "error"] = "info"
@@ -112,6 +128,19 @@ class Settings(BaseSettings):
         if value < 0 and value != -1:
             raise ValueError("must be >= 0, or -1 for never")
         return value
+
+    @field_validator("memory_budget", mode="before")
+    @classmethod
+    def _size(cls, value: Any) -> Any:
+        return None if value is None or value == "" else parse_size(value)
+
+    @model_validator(mode="after")
+    def _fleet_names(self) -> "Settings":
+        check_model_ids(self.models)
+        if self.default_model is not None and self.default_model not in self.models:
+            raise ValueError(f"default_model {self.default_model!r} is not one of the [models.ID] tables "
+                             f"({', '.join(self.models) or 'there are none'})")
+        return self
 
     @field_validator("allowed_hosts", mode="before")
     @classmethod
@@ -212,6 +241,10 @@ def load_settings(config_file: str | Path | None = None, cli: dict[str, Any] | N
         problems = []
         for err in exc.errors():
             key = str(err["loc"][0]) if err["loc"] else "?"
-            problems.append(f"{key}: {err['msg']} (from {_where(key, cli, toml_file, toml_data)})")
+            if not err["loc"]:  # a check across keys (the fleet's names): its message names them
+                problems.append(err["msg"].removeprefix("Value error, "))
+                continue
+            where = ".".join(str(part) for part in err["loc"])  # models.chat.ctx_size
+            problems.append(f"{where}: {err['msg']} (from {_where(key, cli, toml_file, toml_data)})")
         raise ConfigError("invalid configuration:\n  " + "\n  ".join(problems)) from None
     return Settings.model_construct(**dict(layered_settings))

@@ -17,6 +17,7 @@ from aiohttp import web
 
 from config import ConfigError, Settings
 from daemon.model.controller import CANCEL_GRACE_SECONDS, Controller
+from daemon.http.agent import snapshot_of, start_agent
 from daemon.http.app import build_app
 from daemon.logs import configure_logging, get_logger
 from daemon.metrics import Metrics
@@ -60,6 +61,14 @@ async def serve(settings: Settings, model_path: str, reload_settings: Callable[[
     bound = [s.getsockname() for s in (runner.server and site._server.sockets or [])]  # type: ignore[union-attr]
     log.info("http.listening", addresses=[f"{a[0]}:{a[1]}" for a in bound], socket_activated=sock is not None,
              model=model_path, sleep_idle_seconds=settings.sleep_idle_seconds)
+    agent = None
+    if settings.agent_port:
+        try:
+            agent = await start_agent(settings.host, settings.agent_port, lambda: snapshot_of([controller]), log)
+        except OSError as exc:
+            log.error("agent.bind_failed", port=settings.agent_port, error=exc.strerror)
+            await runner.cleanup()
+            return 1
     notifier.ready(f"state: {controller.state}")
 
     owner = asyncio.create_task(controller.run(), name="controller")
@@ -93,6 +102,8 @@ async def serve(settings: Settings, model_path: str, reload_settings: Callable[[
     if watchdog is not None:
         watchdog.cancel()
     await runner.cleanup()
+    if agent is not None:
+        agent.close()
     log.info("shutdown.done")
     notifier.close()
     return code
