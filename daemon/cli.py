@@ -113,28 +113,50 @@ def main(argv: list[str] | None = None) -> int:
         print(f"dormouse: {exc}", file=sys.stderr)
         return 2
 
-    if command == "check-config":
-        from daemon.model.files import ModelFileError, check_gguf
-
-        print(json.dumps(settings.public_dict(), indent=2))
-        try:
-            for key, what in (("model", "model"), ("model_draft", "draft model"), ("mmproj", "projector")):
-                if getattr(settings, key):
-                    check_gguf(getattr(settings, key), what)
-        except ModelFileError as exc:
-            print(f"dormouse: {exc}", file=sys.stderr)
-            return 2
-        return 0
-
-    from daemon.model.files import ModelFileError, resolve_model_files
-    from daemon.server import run
+    from daemon.fleet.plans import add_footprints, footprint_store, model_plans
+    from daemon.model.files import ModelFileError
 
     try:
-        model_path = resolve_model_files(settings)
+        plans = model_plans(settings)
     except ModelFileError as exc:
         print(f"dormouse: {exc}", file=sys.stderr)
         return 2
-    return run(settings, model_path, reload_settings=lambda: load_settings(config_file, args))
+    if command == "check-config":
+        return _check_config(settings, plans)
+
+    from daemon.server import run
+
+    add_footprints(plans, footprint_store(settings))
+    return run(settings, plans, reload_settings=lambda: load_settings(config_file, args))
+
+
+def _check_config(settings, plans) -> int:
+    """Print the effective settings, the fleet with each model's footprint, the
+    memory budget and the stop budget; exit 2 if a model can never fit."""
+    from daemon.fleet.plans import add_footprints, footprint_store, memory_budget
+    from daemon.server import stop_budget
+
+    add_footprints(plans, footprint_store(settings))
+    budget = memory_budget(settings)
+    models = {}
+    for plan in plans:
+        models[plan.id] = {
+            "path": plan.model_path, "aliases": list(plan.aliases), "pinned": plan.pinned, "default": plan.is_default,
+            "loads_at_start": plan.load_at_start,
+            "predicted_bytes": plan.predicted.components() if plan.predicted else None,
+            "predicted_total_bytes": plan.predicted_bytes,
+            "prediction_error": plan.predicted_error,
+            "measured_bytes": plan.measured,
+            "settings": {k: str(v) if hasattr(v, "__fspath__") else v for k, v in plan.overrides.items()},
+        }
+    print(json.dumps({"settings": settings.public_dict(), "models": models,
+                      "memory_budget": {"bytes": budget.bytes, "from": budget.how},
+                      "stop_budget_seconds": stop_budget(settings)}, indent=2))
+    too_big = [p for p in plans if (sum(p.measured.values()) if p.measured else p.predicted_bytes) > budget.bytes]
+    for plan in too_big:
+        print(f"dormouse: model {plan.id} needs {plan.predicted_bytes} bytes, more than the memory budget of "
+              f"{budget.bytes} bytes ({budget.how})", file=sys.stderr)
+    return 2 if too_big and (len(plans) > 1 or settings.memory_budget is not None) else 0
 
 
 if __name__ == "__main__":

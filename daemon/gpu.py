@@ -25,6 +25,16 @@ class Nvml:
         except Exception:  # noqa: BLE001 - no library, no driver, no device: all mean "no NVML"
             self._handles = []
 
+    def total_memory(self) -> list[int]:
+        """Each GPU's total memory in bytes (empty without NVML)."""
+        totals = []
+        for handle in self._handles:
+            try:
+                totals.append(int(self._nvml.nvmlDeviceGetMemoryInfo(handle).total))
+            except Exception:  # noqa: BLE001
+                continue
+        return totals
+
     def used_by(self, pid: int) -> dict[int, int]:
         """GPU index -> bytes that process `pid` holds (only GPUs where it holds some)."""
         out: dict[int, int] = {}

@@ -48,6 +48,9 @@ class MetricFamilies:
         self._define(r)
         self.names = [name for name, value in vars(self).items() if hasattr(value, "_metrics")]
 
+    def render(self) -> tuple[bytes, str]:
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
     def _define(self, r: CollectorRegistry) -> None:
         M = ["model"]  # noqa: N806 - the label every family here starts with
         self.state = Gauge("dormouse_state", "1 for the server's current state, 0 for the others", M + ["state"], registry=r)

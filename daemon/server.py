@@ -1,9 +1,10 @@
-"""`dormouse serve`: bind HTTP, run the controller, handle signals.
+"""`dormouse serve`: bind HTTP, run the fleet and each model's controller, handle signals.
 
-systemd sees READY=1 once HTTP is bound (not when the model is loaded: the
-daemon answers /health while it loads), STATUS= follows the state, WATCHDOG=1
-comes from the event loop, SIGHUP reloads the idle timeout and log level
-without touching the model, SIGTERM drains and tears down in order.
+systemd sees READY=1 once HTTP is bound (not when a model is loaded: the
+daemon answers /health while it loads), STATUS= follows the models' states,
+WATCHDOG=1 comes from the event loop, SIGHUP reloads the idle timeouts and
+log level without touching the models, SIGTERM drains and tears every model
+down in order.
 """
 
 from __future__ import annotations
@@ -16,11 +17,14 @@ from typing import Any, Callable
 from aiohttp import web
 
 from config import ConfigError, Settings
-from daemon.model.controller import CANCEL_GRACE_SECONDS, Controller
+from daemon.fleet.metrics import FleetMetrics
+from daemon.fleet.owner import Fleet, FleetModel
+from daemon.fleet.plans import ModelPlan, footprint_store, memory_budget
 from daemon.http.agent import snapshot_of, start_agent
 from daemon.http.app import build_app
 from daemon.logs import configure_logging, get_logger
-from daemon.metrics import Metrics
+from daemon.metrics import MetricFamilies, Metrics
+from daemon.model.controller import CANCEL_GRACE_SECONDS, Controller
 from daemon.systemd import Notifier, inherited_socket, watchdog_interval
 from statemachine import PolicyChanged
 
@@ -40,14 +44,48 @@ def stop_budget(settings: Settings) -> float:
             + HTTP_CLOSE_SECONDS + STOP_SLACK_SECONDS)
 
 
-async def serve(settings: Settings, model_path: str, reload_settings: Callable[[], Settings] | None = None) -> int:
-    log = get_logger()
-    metrics = Metrics()
-    controller = Controller(settings, model_path, metrics, log)
-    notifier = Notifier()
-    controller.state_listeners.append(lambda before, after: notifier.status(f"state: {after}"))
+def build_fleet(settings: Settings, plans: list[ModelPlan], families: MetricFamilies, log) -> Fleet:
+    """A controller per model, and the fleet that admits their loads by memory.
 
-    app = build_app(controller, settings, metrics, log)
+    A fleet of one (no [models.ID] tables, no memory_budget) asks no admission:
+    it behaves as the single-model daemon always has, whatever its size."""
+    store = footprint_store(settings, log)
+    budget = memory_budget(settings)
+    models = []
+    for plan in plans:
+        controller = Controller(plan.settings, plan.model_path, Metrics(families, plan.id), log)
+        model = FleetModel(plan.id, controller, plan.predicted_bytes, plan.aliases, plan.pinned, plan.load_at_start)
+        if plan.measured:
+            model.measured_components = plan.measured
+            model.measured_bytes = sum(plan.measured.values())
+        models.append(model)
+    keys = {plan.id: plan.key for plan in plans}
+
+    def keep_measurement(model: FleetModel) -> None:  # fsync: off the event loop
+        if keys.get(model.id) and model.measured_components:
+            asyncio.get_running_loop().run_in_executor(None, store.put, keys[model.id], model.measured_components)
+
+    default = next(plan.id for plan in plans if plan.is_default)
+    fleet = Fleet(models, default, budget.bytes, settings.wake_timeout, FleetMetrics(families.registry), log,
+                  on_measured=keep_measurement, admit=len(plans) > 1 or settings.memory_budget is not None)
+    log.info("fleet.budget", bytes=budget.bytes, how=budget.how, admission=fleet.admitting,
+             models={m.id: m.bytes for m in models})
+    return fleet
+
+
+def fleet_status(fleet: Fleet) -> str:
+    return ", ".join(f"{m.id}: {m.controller.state}" for m in fleet.models.values())
+
+
+async def serve(settings: Settings, plans: list[ModelPlan], reload_settings: Callable[[], Settings] | None = None) -> int:
+    log = get_logger()
+    families = MetricFamilies()
+    fleet = build_fleet(settings, plans, families, log)
+    notifier = Notifier()
+    for controller in fleet.controllers:
+        controller.state_listeners.append(lambda before, after: notifier.status(fleet_status(fleet)))
+
+    app = build_app(fleet, settings, families, log)
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=HTTP_CLOSE_SECONDS)
     await runner.setup()
     sock = inherited_socket()
@@ -60,44 +98,48 @@ async def serve(settings: Settings, model_path: str, reload_settings: Callable[[
         return 1
     bound = [s.getsockname() for s in (runner.server and site._server.sockets or [])]  # type: ignore[union-attr]
     log.info("http.listening", addresses=[f"{a[0]}:{a[1]}" for a in bound], socket_activated=sock is not None,
-             model=model_path, sleep_idle_seconds=settings.sleep_idle_seconds)
+             models={p.id: p.model_path for p in plans}, sleep_idle_seconds=settings.sleep_idle_seconds)
     agent = None
     if settings.agent_port:
         try:
-            agent = await start_agent(settings.host, settings.agent_port, lambda: snapshot_of([controller]), log)
+            agent = await start_agent(settings.host, settings.agent_port, lambda: snapshot_of(fleet.controllers), log)
         except OSError as exc:
             log.error("agent.bind_failed", port=settings.agent_port, error=exc.strerror)
             await runner.cleanup()
             return 1
-    notifier.ready(f"state: {controller.state}")
+    notifier.ready(fleet_status(fleet))
 
-    owner = asyncio.create_task(controller.run(), name="controller")
+    planner = asyncio.create_task(fleet.run(), name="fleet")
+    owners = {asyncio.create_task(m.controller.run(load_at_start=m.load_at_start), name=f"controller-{m.id}")
+              for m in fleet.models.values()}
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     loop.add_signal_handler(signal.SIGTERM, stop.set)
     loop.add_signal_handler(signal.SIGINT, stop.set)
     if reload_settings is not None:
-        loop.add_signal_handler(signal.SIGHUP, lambda: _reload(controller, notifier, reload_settings, log))
+        loop.add_signal_handler(signal.SIGHUP, lambda: _reload(fleet, notifier, reload_settings, log))
     watchdog = asyncio.create_task(_watchdog(notifier)) if watchdog_interval() else None
 
     stop_wait = asyncio.create_task(stop.wait())
-    done, _ = await asyncio.wait({owner, stop_wait}, return_when=asyncio.FIRST_COMPLETED)
+    done, _ = await asyncio.wait({*owners, planner, stop_wait}, return_when=asyncio.FIRST_COMPLETED)
     code = 0
-    if owner in done and owner.exception() is not None:
-        log.error("controller.crashed", error=repr(owner.exception()))
+    crashed = [task for task in done if task is not stop_wait and task.exception() is not None]
+    if crashed:
+        log.error("controller.crashed", task=crashed[0].get_name(), error=repr(crashed[0].exception()))
         code = 1
-    else:
-        log.info("shutdown.begin", in_flight=len(controller.machine.in_flight))
-        notifier.stopping()
-        # controller.shutdown is bounded by itself; this outer bound is the last
-        # word, so that a bug there still exits within TimeoutStopSec.
-        inner = settings.shutdown_timeout + CANCEL_GRACE_SECONDS + settings.teardown_timeout
-        try:
-            await asyncio.wait_for(controller.shutdown(settings.shutdown_timeout), inner + STOP_SLACK_SECONDS)
-        except asyncio.TimeoutError:
-            log.error("shutdown.forced", seconds=inner + STOP_SLACK_SECONDS)
-            await controller.supervisor.close()
-            code = 1
+    log.info("shutdown.begin", in_flight=sum(len(c.machine.in_flight) for c in fleet.controllers))
+    notifier.stopping()
+    # Each controller's shutdown is bounded by itself; this outer bound is the
+    # last word, so that a bug there still exits within TimeoutStopSec.
+    inner = settings.shutdown_timeout + CANCEL_GRACE_SECONDS + settings.teardown_timeout
+    try:
+        await asyncio.wait_for(asyncio.gather(*(c.shutdown(settings.shutdown_timeout) for c in fleet.controllers
+                                                if not c.stopped.is_set())), inner + STOP_SLACK_SECONDS)
+    except asyncio.TimeoutError:
+        log.error("shutdown.forced", seconds=inner + STOP_SLACK_SECONDS)
+        await asyncio.gather(*(c.supervisor.close() for c in fleet.controllers))
+        code = 1
+    planner.cancel()
     stop_wait.cancel()
     if watchdog is not None:
         watchdog.cancel()
@@ -109,21 +151,26 @@ async def serve(settings: Settings, model_path: str, reload_settings: Callable[[
     return code
 
 
-def _reload(controller: Controller, notifier: Notifier, reload_settings: Callable[[], Settings], log) -> None:
+def _reload(fleet: Fleet, notifier: Notifier, reload_settings: Callable[[], Settings], log) -> None:
     notifier.reloading()
     try:
         fresh = reload_settings()
     except ConfigError as exc:
         log.error("reload.failed", error=str(exc))
-        notifier.ready(f"state: {controller.state} (reload failed)")
+        notifier.ready(f"{fleet_status(fleet)} (reload failed)")
         return
-    configure_logging(controller.settings.log_format, fresh.log_level)
-    controller.settings = controller.settings.model_copy(
-        update={"sleep_idle_seconds": fresh.sleep_idle_seconds, "log_level": fresh.log_level})
-    controller.metrics.idle_timeout_seconds.set(fresh.sleep_idle_seconds)
-    controller.post(PolicyChanged(dataclasses.replace(controller.machine.policy, idle_seconds=fresh.sleep_idle_seconds)))
-    log.info("reload.done", sleep_idle_seconds=fresh.sleep_idle_seconds, log_level=fresh.log_level)
-    notifier.ready(f"state: {controller.state}")
+    configure_logging(fresh.log_format, fresh.log_level)
+    applied = {}
+    for model in fleet.models.values():
+        table = fresh.models.get(model.id)
+        idle = table.sleep_idle_seconds if table and table.sleep_idle_seconds is not None else fresh.sleep_idle_seconds
+        controller = model.controller
+        controller.settings = controller.settings.model_copy(update={"sleep_idle_seconds": idle, "log_level": fresh.log_level})
+        controller.metrics.idle_timeout_seconds.set(idle)
+        controller.post(PolicyChanged(dataclasses.replace(controller.machine.policy, idle_seconds=idle)))
+        applied[model.id] = idle
+    log.info("reload.done", sleep_idle_seconds=applied, log_level=fresh.log_level)
+    notifier.ready(fleet_status(fleet))
 
 
 async def _watchdog(notifier: Notifier) -> None:
@@ -133,9 +180,9 @@ async def _watchdog(notifier: Notifier) -> None:
         await asyncio.sleep(interval)
 
 
-def run(settings: Settings, model_path: str, reload_settings: Callable[[], Settings] | None = None) -> int:
+def run(settings: Settings, plans: list[ModelPlan], reload_settings: Callable[[], Settings] | None = None) -> int:
     configure_logging(settings.log_format, settings.log_level)
-    return asyncio.run(serve(settings, model_path, reload_settings))
+    return asyncio.run(serve(settings, plans, reload_settings))
 
 
 __all__: list[Any] = ["run", "serve"]

@@ -309,6 +309,9 @@ class ServerMachine:
         return commands + [Exit()]
 
     def _ready_while_stopping(self, event: WorkerReady) -> list[Command]:
+        # A worker that says Ready exists and holds the model, whatever stop was
+        # asked before (one sent while it was still starting had nothing to stop).
+        self.stop_sent = False
         return self._stop_worker("shutdown")
 
 

@@ -16,10 +16,8 @@ import httpx
 import pytest
 
 from config import Settings
-from daemon.model.controller import Controller
 from daemon.http.app import build_app
 from daemon.logs import configure_logging, get_logger
-from daemon.metrics import Metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -37,29 +35,55 @@ def bundled_model() -> str:
     return str(write_bundled(Settings()))
 
 
-@asynccontextmanager
-async def fake_daemon(**overrides):
-    """Controller + HTTP app in this process; the worker is tests.fakes.fake_worker."""
-    from aiohttp.test_utils import TestClient, TestServer
+FAKE_DEFAULTS = {"worker_module": "tests.fakes.fake_worker", "sleep_idle_seconds": -1, "spawn_ahead": False}
 
-    configure_logging("json", "warning")
-    defaults = {"worker_module": "tests.fakes.fake_worker", "sleep_idle_seconds": -1, "spawn_ahead": False}
-    settings = Settings(**{**defaults, **overrides})
-    metrics = Metrics()
-    controller = Controller(settings, "/models/fake.gguf", metrics, get_logger())
-    app = build_app(controller, settings, metrics, get_logger())
-    client = TestClient(TestServer(app))
-    await client.start_server()
+
+@asynccontextmanager
+async def fake_fleet(models: dict[str, dict] | None = None, sizes: dict[str, int] | None = None, **overrides):
+    """The fleet, its controllers and the HTTP app in this process, on fake workers
+    (tests.fakes.fake_worker). `models`: id -> that model's settings; none: a fleet of
+    one ("fake"). `sizes`: id -> predicted bytes. Yields (fleet, client)."""
     import asyncio
 
-    owner = asyncio.create_task(controller.run())
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from daemon.fleet.plans import ModelPlan
+    from daemon.metrics import MetricFamilies
+    from daemon.model.footprint import Footprint
+    from daemon.server import build_fleet
+
+    configure_logging("json", "warning")
+    settings = Settings(**{**FAKE_DEFAULTS, **overrides})
+    plans = []
+    for i, (model_id, own) in enumerate((models or {"fake": {}}).items()):
+        own = dict(own)
+        aliases, pinned = tuple(own.pop("aliases", ())), own.pop("pinned", False)
+        plan = ModelPlan(model_id, settings.model_copy(update=own), f"/models/{model_id}.gguf", aliases, pinned,
+                         is_default=i == 0)
+        if sizes and model_id in sizes:
+            plan.predicted = Footprint(model=sizes[model_id], context=0)
+        plans.append(plan)
+    families = MetricFamilies()
+    fleet = build_fleet(settings, plans, families, get_logger())
+    client = TestClient(TestServer(build_app(fleet, settings, families, get_logger())))
+    await client.start_server()
+    tasks = [asyncio.create_task(fleet.run())]
+    tasks += [asyncio.create_task(m.controller.run(load_at_start=m.load_at_start)) for m in fleet.models.values()]
     try:
-        yield controller, client
+        yield fleet, client
     finally:
-        if not owner.done():
-            await controller.shutdown(5)
-        await owner
+        await asyncio.gather(*(c.shutdown(5) for c in fleet.controllers if not c.stopped.is_set()))
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
         await client.close()
+
+
+@asynccontextmanager
+async def fake_daemon(**overrides):
+    """A fleet of one on a fake worker, in this process. Yields (controller, client)."""
+    async with fake_fleet(**overrides) as (fleet, client):
+        yield fleet.default_model.controller, client
 
 
 class DaemonProcess:

@@ -65,7 +65,8 @@ class FleetModel:
 
 class Fleet:
     def __init__(self, models: list[FleetModel], default: str, budget: int, wake_timeout: float,
-                 metrics: FleetMetrics, log, on_measured: Callable[[FleetModel], None] | None = None) -> None:
+                 metrics: FleetMetrics, log, on_measured: Callable[[FleetModel], None] | None = None,
+                 admit: bool = True) -> None:
         self.models = {m.id: m for m in models}
         self.default = default
         self.budget = budget
@@ -73,6 +74,7 @@ class Fleet:
         self.metrics = metrics
         self.log = log
         self.on_measured = on_measured
+        self.admitting = admit  # False: loads start without asking (a fleet of one with no budget set)
         self._names: dict[str, FleetModel] = {}
         for m in models:
             for name in (m.id, *m.aliases):
@@ -80,6 +82,7 @@ class Fleet:
         self._pending: deque[tuple[str, asyncio.Future]] = deque()
         self._waited: set[asyncio.Future] = set()
         self._last_wait: dict[str, str] = {}
+        self._gave_up: dict[str, tuple[str, float]] = {}  # model -> (why, when) its last admission timed out
         self._changed = asyncio.Event()
         self._most_loading = 0
         for m in models:
@@ -103,6 +106,15 @@ class Fleet:
     def controllers(self) -> list[Controller]:
         return [m.controller for m in self.models.values()]
 
+    @property
+    def default_model(self) -> FleetModel:
+        return self.models[self.default]
+
+    @property
+    def max_ctx_size(self) -> int:
+        """No slot of any model holds a longer prompt."""
+        return max(m.controller.settings.ctx_size for m in self.models.values())
+
     # -- admission ------------------------------------------------------------------
 
     async def admit(self, model_id: str) -> LoadNotAdmitted | None:
@@ -118,6 +130,7 @@ class Fleet:
             future.cancel()  # the owner drops it from the queue
             self.metrics.admission_refusals.labels(model=model_id, reason="timeout").inc()
             reason = self._last_wait.get(model_id, "the memory did not come free")
+            self._gave_up[model_id] = (reason, time.monotonic())
             self.log.warning("fleet.admission_timeout", model=model_id, reason=reason)
             return LoadNotAdmitted(f"model {model_id} could not be loaded within {self.wake_timeout:g}s "
                                    f"(wake_timeout): {reason}", "insufficient_memory", RETRY_AFTER_NO_ROOM)
@@ -125,6 +138,17 @@ class Fleet:
             if not future.done():
                 future.cancel()
             self._changed.set()
+
+    def waiting_for_room(self, model_id: str, since: float) -> str | None:
+        """Why `model_id`'s load is waiting for the fleet, or gave up waiting
+        after `since` (a request's wake bound and its admission's expire in the
+        same loop turn; the request's answer should say why either way)."""
+        if any(pending == model_id and not future.done() for pending, future in self._pending):
+            return self._last_wait.get(model_id, "waiting for its turn to load")
+        gave_up = self._gave_up.get(model_id)
+        if gave_up is not None and gave_up[1] >= since:
+            return gave_up[0]
+        return None
 
     async def run(self) -> None:
         """The owner task: re-plan the head of the queue whenever anything changes."""
@@ -209,7 +233,8 @@ class Fleet:
 
         controller.event_listeners.append(on_event)
         controller.state_listeners.append(on_state)
-        controller.admission = lambda: self.admit(model.id)
+        if self.admitting:
+            controller.admission = lambda: self.admit(model.id)
 
     def _measured(self, model: FleetModel) -> None:
         by_device: dict[str, dict[str, int]] = model.controller.model_info.get("memory_by_device") or {}

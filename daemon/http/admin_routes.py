@@ -1,28 +1,62 @@
 """Endpoints that answer from the daemon itself: /health, /props, /slots,
-/metrics never wake the model nor touch the idle timer. /sleep and /wake are
-the operator's hands on the state machine."""
+/metrics never wake a model nor touch an idle timer. /sleep, /wake and the
+llama-server router's /models/load and /models/unload are the operator's
+hands on each model's state machine; each takes an optional model (query
+`?model=` or `{"model": ...}`; none: the default, and for /sleep every idle model)."""
 
 from __future__ import annotations
 
+import time
+
+import msgspec
 from aiohttp import web
 
+from daemon.fleet.owner import FleetModel
 from daemon.http.errors import ApiError
-from daemon.http.app import CONTROLLER, METRICS, SETTINGS
+from daemon.http.keys import FLEET, METRICS, SETTINGS, model_for
 from statemachine import ServerState, SleepRequested, WakeRequested
 
 
+async def model_param(request: web.Request, required: bool = False) -> FleetModel | None:
+    """The model an admin call names: `?model=ID`, or `{"model": ID}` in the body."""
+    name = request.query.get("model")
+    if name is None and request.method == "POST":
+        raw = await request.read()
+        if raw.strip():
+            try:
+                body = msgspec.json.decode(raw)
+            except msgspec.DecodeError as exc:
+                raise ApiError(400, f"request body is not valid JSON: {exc}", "invalid_json") from None
+            if not isinstance(body, dict):
+                raise ApiError(400, "request body must be a JSON object", "invalid_json")
+            name = body.get("model")
+    if name is None:
+        if required:
+            raise ApiError(400, "model: required (a model id or alias, as GET /v1/models lists them)",
+                           "invalid_value", param="model")
+        return None
+    return model_for(request, name)
+
+
 async def health(request: web.Request) -> web.Response:
-    controller = request.app[CONTROLLER]
-    body = {"status": "ok" if controller.healthy else "unavailable", "state": str(controller.state)}
+    """One answer for the process: the default model's, with every model's state beside it."""
+    fleet = request.app[FLEET]
+    controller = fleet.default_model.controller
+    body: dict = {"status": "ok" if controller.healthy else "unavailable", "state": str(controller.state)}
     if controller.state is ServerState.FAILED:
         body["error"] = controller.machine.failure_reason
+    if len(fleet.models) > 1:
+        body["models"] = {m.id: m.status for m in fleet.models.values()}
     return web.json_response(body, status=200 if controller.healthy else 503)
 
 
 async def props(request: web.Request) -> web.Response:
-    c = request.app[CONTROLLER]
+    fleet = request.app[FLEET]
+    model = await model_param(request) or fleet.default_model
+    c = model.controller
     s = c.settings  # the reloaded settings (SIGHUP), not the ones the app started with
     return web.json_response({
+        "id": model.id,
         "state": str(c.state),
         "state_since": c.state_since,
         "is_sleeping": c.state is ServerState.SLEEPING,
@@ -41,6 +75,9 @@ async def props(request: web.Request) -> web.Response:
         "requests_waiting": len(c.machine.waiting),
         "last_wake": c.last_wake,
         "last_sleep": c.last_sleep,
+        "last_memory_check": c.last_memory_check,
+        "fleet": {"budget_bytes": fleet.budget, "planned_bytes": fleet.planned_bytes(), "admission": fleet.admitting,
+                  "models": [fleet.describe(m) for m in fleet.models.values()]},
     })
 
 
@@ -49,48 +86,88 @@ def _slot(info) -> dict:
 
 
 async def slots(request: web.Request) -> web.Response:
-    c = request.app[CONTROLLER]
+    c = (await model_param(request) or request.app[FLEET].default_model).controller
     if c.slots:
         return web.json_response([_slot(x) for x in c.slots])
     # Asleep (or not loaded yet): the slots exist on paper, all idle and empty.
     return web.json_response([{"id": i, "state": "idle", "request_id": None, "n_cached": 0}
-                              for i in range(request.app[SETTINGS].parallel)])
+                              for i in range(c.settings.parallel)])
 
 
 async def metrics(request: web.Request) -> web.Response:
-    request.app[CONTROLLER].sample_worker_memory()  # read at scrape time; never wakes anything
+    for controller in request.app[FLEET].controllers:
+        controller.sample_worker_memory()  # read at scrape time; never wakes anything
     body, content_type = request.app[METRICS].render()
     return web.Response(body=body, headers={"Content-Type": content_type})
 
 
-async def sleep(request: web.Request) -> web.Response:
-    controller = request.app[CONTROLLER]
+async def _sleep_one(request: web.Request, model: FleetModel) -> dict:
+    controller = model.controller
     ok, message = await controller.admin(SleepRequested)
     if not ok:
-        raise ApiError(409, message, "cannot_sleep")
+        raise ApiError(409, f"model {model.id}: {message}", "cannot_sleep")
     await controller.wait_for(lambda s: s is not ServerState.UNLOADING, request.app[SETTINGS].shutdown_timeout + 10)
-    return web.json_response({"ok": True, "message": message, "state": str(controller.state),
-                              "last_sleep": controller.last_sleep})
+    return {"ok": True, "model": model.id, "message": message, "state": str(controller.state),
+            "last_sleep": controller.last_sleep}
 
 
-async def wake(request: web.Request) -> web.Response:
-    controller = request.app[CONTROLLER]
+async def sleep(request: web.Request) -> web.Response:
+    """One model to sleep (409 while it serves), or without a model every idle one."""
+    fleet = request.app[FLEET]
+    model = await model_param(request)
+    if model is not None or len(fleet.models) == 1:
+        return web.json_response(await _sleep_one(request, model or fleet.default_model))
+    answers = {}
+    for m in fleet.models.values():
+        try:
+            answers[m.id] = await _sleep_one(request, m)
+        except ApiError as exc:  # busy: it keeps serving
+            answers[m.id] = {"ok": False, "model": m.id, "message": exc.message, "state": str(m.controller.state)}
+    return web.json_response({"ok": all(a["ok"] for a in answers.values()), "models": answers})
+
+
+async def _wake_one(request: web.Request, model: FleetModel) -> web.Response:
+    controller = model.controller
+    began = time.monotonic()
     ok, message = await controller.admin(WakeRequested)
     if not ok:
-        raise ApiError(409, message, "cannot_wake")
-    settled = {ServerState.READY, ServerState.FAILED, ServerState.STOPPING}
+        raise ApiError(409, f"model {model.id}: {message}", "cannot_wake")
     wake_timeout = request.app[SETTINGS].wake_timeout
-    await controller.wait_for(lambda s: s in settled, wake_timeout)
+    # Settled: ready, failed, stopping, or asleep again (the fleet did not admit the load).
+    await controller.wait_for(lambda s: s not in (ServerState.WAKING, ServerState.LOADING, ServerState.UNLOADING),
+                              wake_timeout)
     state = controller.state
     if state is ServerState.FAILED:
         raise ApiError(503, f"wake failed: {controller.machine.failure_reason}", "model_load_failed",
                        retry_after=controller.machine.retry_delay)
     if state is ServerState.STOPPING:
         raise ApiError(503, "the server is shutting down", "shutting_down", retry_after=1)
+    if state is ServerState.SLEEPING and controller.last_refusal is not None:
+        refusal = controller.last_refusal
+        raise ApiError(503, refusal.reason, refusal.code, retry_after=refusal.retry_after)
+    room = request.app[FLEET].waiting_for_room(model.id, since=began)
+    if state is not ServerState.READY and room is not None:  # its admission is (or just was) refused
+        raise ApiError(503, f"model {model.id} could not be loaded within {wake_timeout:g}s (wake_timeout): {room}",
+                       "insufficient_memory", retry_after=5)
     if state is not ServerState.READY:  # the wake goes on; this caller stops waiting for it
         raise ApiError(503, f"the model did not become ready within {wake_timeout:g}s (wake_timeout); it is still "
                        f"{state} and the wake goes on", "wake_timeout", retry_after=5)
-    return web.json_response({"ok": True, "message": message, "state": str(state), "last_wake": controller.last_wake})
+    return web.json_response({"ok": True, "model": model.id, "message": message, "state": str(state),
+                              "last_wake": controller.last_wake})
+
+
+async def wake(request: web.Request) -> web.Response:
+    return await _wake_one(request, await model_param(request) or request.app[FLEET].default_model)
+
+
+async def load_model(request: web.Request) -> web.Response:
+    """llama-server router's POST /models/load {"model": ID}: wake it (through the fleet's admission)."""
+    return await _wake_one(request, await model_param(request, required=True))
+
+
+async def unload_model(request: web.Request) -> web.Response:
+    """llama-server router's POST /models/unload {"model": ID}: put it to sleep (409 while it serves)."""
+    return web.json_response(await _sleep_one(request, await model_param(request, required=True)))
 
 
 async def openapi(request: web.Request) -> web.Response:
@@ -107,3 +184,5 @@ def add_routes(app: web.Application) -> None:
     app.router.add_get("/metrics", metrics)
     app.router.add_post("/sleep", sleep)
     app.router.add_post("/wake", wake)
+    app.router.add_post("/models/load", load_model)
+    app.router.add_post("/models/unload", unload_model)

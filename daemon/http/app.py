@@ -35,18 +35,12 @@ from yarl import URL
 
 from config import Settings
 from config.settings import normalize_host
-from daemon.model.controller import Controller
+from daemon.fleet.owner import Fleet
 from daemon.http.errors import ApiError
-from daemon.metrics import Metrics
+from daemon.http.keys import FLEET, LOG, LOGGED, METRICS, SETTINGS
+from daemon.metrics import MetricFamilies
 
-CONTROLLER = web.AppKey("controller", Controller)
-SETTINGS = web.AppKey("settings", Settings)
-METRICS = web.AppKey("metrics", Metrics)
-LOG = web.AppKey("log", object)
-
-LOGGED = web.RequestKey("logged", bool)  # set by run_job, which writes the request's log line itself
-
-ADMIN_PATHS = frozenset({"/sleep", "/wake"})
+ADMIN_PATHS = frozenset({"/sleep", "/wake", "/models/load", "/models/unload"})
 PROBE_PATHS = frozenset({"/health", "/metrics"})
 PRIVATE_GET_PATHS = frozenset({"/props", "/slots"})
 # Their endpoint names in logs and metrics labels (as the jobs' names).
@@ -162,7 +156,8 @@ def _log_answer(request: web.Request, status: int, code: str | None, started: fl
     (log.debug if quiet else log.info)("request", endpoint=endpoint or request.path[:200], method=request.method,
                                        status=status, code=code, seconds=round(time.monotonic() - started, 4))
     if endpoint is not None:  # refused before it became a job; a client's path never becomes a label
-        request.app[METRICS].requests.labels(endpoint=endpoint, status=str(status)).inc()
+        # Refused before it was routed to a model: counted with an empty model label.
+        request.app[METRICS].requests.labels(model="", endpoint=endpoint, status=str(status)).inc()
 
 
 @web.middleware
@@ -193,11 +188,11 @@ async def errors_and_access(request: web.Request, handler):
     return response
 
 
-def build_app(controller: Controller, settings: Settings, metrics: Metrics, log) -> web.Application:
+def build_app(fleet: Fleet, settings: Settings, metrics: MetricFamilies, log) -> web.Application:
     from daemon.http import admin_routes, openai_routes
 
     app = web.Application(middlewares=[errors_and_access], client_max_size=settings.max_body_bytes)
-    app[CONTROLLER] = controller
+    app[FLEET] = fleet
     app[SETTINGS] = settings
     app[METRICS] = metrics
     app[LOG] = log

@@ -1,6 +1,8 @@
 """OpenAI-compatible endpoints: /v1/completions, /v1/chat/completions, /v1/models.
 
-A handler validates the body, hands a job to the controller and turns what
+A handler validates the body, routes it to the model it names (its `model`
+field: an id or an alias; none, or a fleet of one: the default model; an
+unknown name: 404 model_not_found), hands a job to that model's controller and turns what
 the worker sends back into an OpenAI response: one JSON body, or SSE chunks
 ending with `data: [DONE]`. Headers are sent only once the first token is
 there, so a rejected or timed-out request still gets a proper status code.
@@ -9,7 +11,6 @@ there, so a rejected or timed-out request still gets a proper status code.
 from __future__ import annotations
 
 import time
-from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -19,7 +20,8 @@ from pydantic import BaseModel, ValidationError
 
 from daemon import protocol as p
 from daemon.http.errors import ApiError
-from daemon.http.app import CONTROLLER, LOG, LOGGED, METRICS, SETTINGS
+from daemon.fleet.owner import FleetModel
+from daemon.http.keys import FLEET, LOG, LOGGED, SETTINGS, model_for
 from daemon.model.jobs import Job, JobFailure
 from daemon.http.schemas import BodyError, ChatCompletionRequest, CompletionRequest, ImageRefused, decode_body, field_name
 
@@ -29,7 +31,7 @@ async def parse_body(request: web.Request, model: type[BaseModel]) -> BaseModel:
     undecoded and containers are counted before their items are validated,
     so this stays cheap for any body under max_body_bytes."""
     raw = await request.read()
-    max_prompt_tokens = request.app[SETTINGS].ctx_size  # no slot holds more
+    max_prompt_tokens = request.app[FLEET].max_ctx_size  # no slot of any model holds more
     try:
         data = decode_body(raw, model, max_prompt_tokens)
     except msgspec.ValidationError:  # JSON, but not an object
@@ -47,12 +49,6 @@ async def parse_body(request: web.Request, model: type[BaseModel]) -> BaseModel:
         name = field_name(err["loc"]) or "body"
         message = str(err["msg"]).removeprefix("Value error, ")
         raise ApiError(400, f"{name}: {message}", "invalid_value", param=name) from None
-
-
-def model_alias(request: web.Request) -> str:
-    info = request.app[CONTROLLER].model_info
-    path = info.get("path") or request.app[CONTROLLER].model_path
-    return Path(path).stem
 
 
 _NO_USAGE: Any = object()  # the body has no "usage" key at all
@@ -135,23 +131,28 @@ def _is_failure(item) -> bool:
     return isinstance(item, JobFailure) or (isinstance(item, p.Done) and item.finish_reason not in ("stop", "length"))
 
 
-async def _first_item(request: web.Request, job: Job):
+async def _first_item(request: web.Request, model: FleetModel, job: Job):
     settings = request.app[SETTINGS]
     try:
         return await job.next(settings.wake_timeout)
     except TimeoutError:
+        room = request.app[FLEET].waiting_for_room(model.id, since=job.accepted_at)
+        if room is not None:  # the wake never started: the fleet had no room for it
+            raise ApiError(503, f"model {model.id} could not be loaded within {settings.wake_timeout:g}s "
+                           f"(wake_timeout): {room}", "insufficient_memory", retry_after=5) from None
         raise ApiError(503, f"the model did not become ready within {settings.wake_timeout:g}s (wake_timeout)",
                        "wake_timeout", retry_after=5) from None
 
 
-async def run_job(request: web.Request, job: Job, shape: _Shape, stream: bool, include_usage: bool) -> web.StreamResponse:
-    controller = request.app[CONTROLLER]
-    metrics = request.app[METRICS]
+async def run_job(request: web.Request, model: FleetModel, job: Job, shape: _Shape, stream: bool,
+                  include_usage: bool) -> web.StreamResponse:
+    controller = model.controller
+    metrics = controller.metrics
     structlog.contextvars.bind_contextvars(request_id=job.id)
     request[LOGGED] = True  # the line below, with the job's timings
     status, code = 200, None
     try:
-        item = await _first_item(request, job)
+        item = await _first_item(request, model, job)
         if _is_failure(item):
             raise _failure_error(item)
         if stream:
@@ -168,7 +169,8 @@ async def run_job(request: web.Request, job: Job, shape: _Shape, stream: bool, i
         raise
     finally:
         controller.abandon(job)  # no-op once finished; frees the slot if the client left
-        request.app[LOG].info("request", endpoint=job.endpoint, status=status, code=code, stream=stream, cold=job.cold,
+        request.app[LOG].info("request", endpoint=job.endpoint, model=model.id, status=status, code=code, stream=stream,
+                              cold=job.cold,
                               seconds=round(time.monotonic() - job.accepted_at, 4), finished=job.finished)
         metrics.requests.labels(endpoint=job.endpoint, status=str(status)).inc()
         metrics.request_seconds.labels(endpoint=job.endpoint, outcome="ok" if status == 200 else "error").observe(
@@ -207,9 +209,10 @@ async def _stream(request: web.Request, job: Job, shape: _Shape, item, include_u
 
 async def completions(request: web.Request) -> web.StreamResponse:
     body = await parse_body(request, CompletionRequest)
-    job = request.app[CONTROLLER].new_job("completions", body.sampling(body.max_tokens), prompt=body.prompt_value())
-    shape = CompletionShape(f"cmpl-{job.id}", model_alias(request), body.include_usage)
-    return await run_job(request, job, shape, body.stream, body.include_usage)
+    model = model_for(request, body.model)
+    job = model.controller.new_job("completions", body.sampling(body.max_tokens), prompt=body.prompt_value())
+    shape = CompletionShape(f"cmpl-{job.id}", model.id, body.include_usage)
+    return await run_job(request, model, job, shape, body.stream, body.include_usage)
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
@@ -219,17 +222,20 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         messages = body.protocol_messages(settings.max_images_per_request, settings.max_image_pixels)
     except ImageRefused as exc:
         raise ApiError(400, str(exc), exc.code, param="messages") from None
-    job = request.app[CONTROLLER].new_job("chat.completions", body.sampling(body.token_limit), messages=messages)
-    shape = ChatShape(f"chatcmpl-{job.id}", model_alias(request), body.include_usage)
-    return await run_job(request, job, shape, body.stream, body.include_usage)
+    model = model_for(request, body.model)
+    job = model.controller.new_job("chat.completions", body.sampling(body.token_limit), messages=messages)
+    shape = ChatShape(f"chatcmpl-{job.id}", model.id, body.include_usage)
+    return await run_job(request, model, job, shape, body.stream, body.include_usage)
 
 
 async def models(request: web.Request) -> web.Response:
-    controller = request.app[CONTROLLER]
+    """Every configured model with its status (loaded, loading, sleeping,
+    unloading, failed), answered from the daemon: it wakes nothing."""
+    fleet = request.app[FLEET]
     return web.json_response({"object": "list", "data": [{
-        "id": model_alias(request), "object": "model", "created": int(controller.state_since), "owned_by": "dormouse",
-        "meta": controller.model_info or None,
-    }]})
+        "id": model.id, "object": "model", "created": int(model.controller.state_since), "owned_by": "dormouse",
+        **fleet.describe(model), "meta": model.controller.model_info or None,
+    } for model in fleet.models.values()]})
 
 
 def add_routes(app: web.Application) -> None:

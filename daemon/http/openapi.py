@@ -29,15 +29,33 @@ def _generation(ref: str) -> dict[str, Any]:
             "responses": {
                 "200": {"description": "the completion (JSON, or SSE when stream is true)",
                         "content": {_JSON: {"schema": {"type": "object"}}, "text/event-stream": {"schema": {"type": "string"}}}},
-                **_error_responses(400, 401, 403, 413, 415, 503),
+                **_error_responses(400, 401, 403, 404, 413, 415, 503),
             },
         }
     }
 
 
-def _get(description: str, *errors: int) -> dict[str, Any]:
-    return {"get": {"responses": {"200": {"description": description, "content": {_JSON: {"schema": {}}}},
-                                  **_error_responses(*errors)}}}
+# An optional model (an id or an alias from /v1/models) for the admin and state paths.
+_MODEL_QUERY = {"name": "model", "in": "query", "required": False, "schema": {"type": "string", "maxLength": 1000}}
+_MODEL_BODY = {"type": "object", "properties": {"model": {"type": "string"}}}
+
+
+def _get(description: str, *errors: int, model: bool = False) -> dict[str, Any]:
+    operation: dict[str, Any] = {"responses": {"200": {"description": description, "content": {_JSON: {"schema": {}}}},
+                                               **_error_responses(*errors)}}
+    if model:
+        operation["parameters"] = [_MODEL_QUERY]
+    return {"get": operation}
+
+
+def _admin(required_model: bool) -> dict[str, Any]:
+    # /sleep and /wake may take no body (an empty one needs no Content-Type); /models/load and
+    # /models/unload take {"model": ID} as llama-server's router does.
+    body = {"required": required_model, "content": {_JSON: {"schema": {**_MODEL_BODY, **(
+        {"required": ["model"]} if required_model else {})}}}}
+    return {"post": {"parameters": [_MODEL_QUERY], "requestBody": body,
+                     "responses": {"200": {"description": "done", "content": {_JSON: {"schema": {"type": "object"}}}},
+                                   **_error_responses(400, 401, 403, 404, 409, 415, 503)}}}
 
 
 @cache
@@ -54,26 +72,26 @@ def openapi_document() -> dict[str, Any]:
                                  "properties": {"message": {"type": "string"}, "type": {"type": "string"},
                                                 "code": {"type": ["string", "null"]}, "param": {"type": ["string", "null"]}}}},
     }
-    # /sleep and /wake take no body; an empty one needs no Content-Type.
-    admin = {"post": {"responses": {"200": {"description": "done", "content": {_JSON: {"schema": {"type": "object"}}}},
-                                    **_error_responses(401, 403, 409, 415, 503)}}}
     return {
         "openapi": "3.1.0",
         "info": {"title": "Dormouse", "version": __version__},
         "paths": {
             "/v1/completions": _generation("CompletionRequest"),
             "/v1/chat/completions": _generation("ChatCompletionRequest"),
-            "/v1/models": _get("the loaded model", 401, 403),
+            "/v1/models": _get("every configured model with its status (loaded, loading, sleeping, unloading, failed)",
+                               401, 403),
             "/health": {"get": {"responses": {"200": {"description": "ok", "content": {_JSON: {"schema": {}}}},
                                               "503": {"description": "loading or failed", "content": {_JSON: {"schema": {}}}},
                                               **_error_responses(401, 403)}}},
-            "/props": _get("server properties", 401, 403),
-            "/slots": _get("slot states", 401, 403),
+            "/props": _get("a model's properties and the fleet's", 400, 401, 403, 404, model=True),
+            "/slots": _get("a model's slot states", 400, 401, 403, 404, model=True),
             "/metrics": {"get": {"responses": {"200": {"description": "Prometheus text",
                                                         "content": {"text/plain": {"schema": {"type": "string"}}}},
                                                **_error_responses(401, 403)}}},
-            "/sleep": admin,
-            "/wake": admin,
+            "/sleep": _admin(False),
+            "/wake": _admin(False),
+            "/models/load": _admin(True),
+            "/models/unload": _admin(True),
         },
         "components": {"schemas": components},
     }

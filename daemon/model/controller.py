@@ -120,6 +120,7 @@ class Controller:
         # why not. A fleet of one has none and always loads.
         self.admission: Callable[[], Awaitable[LoadNotAdmitted | None]] | None = None
         self._admission_wait: asyncio.Future | None = None
+        self.last_refusal: LoadNotAdmitted | None = None  # why the last load was not admitted, if it was not
         metrics.idle_timeout_seconds.set(settings.sleep_idle_seconds)
         metrics.set_state(self.state)
 
@@ -332,6 +333,7 @@ class Controller:
     async def _start_worker(self, reason: str) -> Event:
         start = time.perf_counter()
         refusal = await self._admit()
+        self.last_refusal = refusal
         if refusal is not None:
             self.log.warning("load.not_admitted", reason=refusal.reason, code=refusal.code)
             return refusal

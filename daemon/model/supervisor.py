@@ -108,6 +108,8 @@ class Supervisor:
         self.spare: Worker | None = None
         self._spawning: asyncio.Task | None = None
         self._pending: asyncio.Future | None = None  # Ready/Error during load, SleepReport during stop
+        self._starting = False  # a start() is under way (spawning, handshaking or loading)
+        self._abort_start = False  # a stop came during it: start() ends its worker and fails
         self.last_exit_at: float | None = None
         self.last_exit_pid: int | None = None
 
@@ -178,7 +180,17 @@ class Supervisor:
     # -- lifecycle ----------------------------------------------------------------
 
     async def start(self, spec: p.ModelSpec, timeout: float) -> StartResult:
+        self._starting, self._abort_start = True, False
+        try:
+            return await self._start(spec, timeout)
+        finally:
+            self._starting = False
+
+    async def _start(self, spec: p.ModelSpec, timeout: float) -> StartResult:
         worker, spawn_seconds, prespawned = await self._take_worker()
+        if self._abort_start:  # stopped while it was being spawned: it never loads
+            await self._kill(worker)
+            raise LoadFailed("stopped before it loaded", worker.pid)
         self.current = worker
         worker.phase = "loading"
         handshake_start = time.perf_counter()
@@ -204,13 +216,15 @@ class Supervisor:
     async def stop(self, timeout: float) -> StopResult:
         """Ordered teardown, then wait for the process to exit."""
         worker = self.current
+        if self._starting and (worker is None or worker.phase == "loading"):
+            # Nothing to tear down in order yet: the start ends its worker (now, or as
+            # soon as it is spawned) and reports the load as failed.
+            self._abort_start = True
+            if worker is not None:
+                await self._kill(worker)
+            return StopResult(None, worker.pid if worker else None, aborted_load=True)
         if worker is None or worker.phase == "gone":
             return StopResult(None, worker.pid if worker else self.last_exit_pid, already_gone=True)
-        if worker.phase == "loading":
-            # Nothing to tear down in order yet: ending the process gives it all back,
-            # and start() reports the load as failed.
-            await self._kill(worker)
-            return StopResult(None, worker.pid, aborted_load=True)
         worker.phase = "stopping"
         loop = asyncio.get_running_loop()
         self._pending = loop.create_future()

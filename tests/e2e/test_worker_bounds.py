@@ -8,6 +8,8 @@ import httpx
 import openai
 import pytest
 
+from tests.metrics_text import value
+
 pytestmark = pytest.mark.e2e
 
 
@@ -54,8 +56,7 @@ def test_huge_penalty_window_is_bounded_to_the_slot_context(client, daemon):
         r = client.completions.create(model="x", prompt="Once upon a time", max_tokens=4, temperature=0,
                                       extra_body={"repeat_penalty": 1.1, "repeat_last_n": window})
         assert r.choices[0].finish_reason == "length"
-    metrics = daemon.http.get("/metrics").text
-    rss = next(float(line.split()[1]) for line in metrics.splitlines() if line.startswith("dormouse_worker_rss_bytes "))
+    rss = value(daemon.http.get("/metrics").text, "dormouse_worker_rss_bytes")
     print(f"worker RSS after huge penalty windows: {rss / 2**20:.0f} MiB")
     assert rss < 1.5 * 2**30  # an unbounded window alone was 2 GiB
     assert worker_pid(daemon) == pid  # nothing was killed

@@ -10,8 +10,38 @@ def test_check_config_prints_effective_settings_with_secrets_masked(capsys, tmp_
     config.write_text('sleep_idle_seconds = 42\napi_key = "s3cret"\n')
     assert main(["check-config", "--config", str(config), "--port", "9001"]) == 0
     shown = json.loads(capsys.readouterr().out)
-    assert shown["sleep_idle_seconds"] == 42 and shown["port"] == 9001
-    assert shown["api_key"] == "********" and "s3cret" not in json.dumps(shown)
+    assert shown["settings"]["sleep_idle_seconds"] == 42 and shown["settings"]["port"] == 9001
+    assert shown["settings"]["api_key"] == "********" and "s3cret" not in json.dumps(shown)
+    assert shown["stop_budget_seconds"] == 55
+
+
+def test_check_config_shows_the_fleet_with_predicted_footprints_and_the_budget(capsys, tmp_path, bundled_model):
+    config = tmp_path / "fleet.toml"
+    config.write_text(f'''memory_budget = "2GiB"
+[models.small]
+path = "{bundled_model}"
+ctx_size = 1024
+aliases = ["gpt-4o-mini"]
+[models.big]
+path = "{bundled_model}"
+ctx_size = 8192
+pinned = true
+''')
+    assert main(["check-config", "--config", str(config)]) == 0
+    shown = json.loads(capsys.readouterr().out)
+    assert shown["memory_budget"] == {"bytes": 2 * 2**30, "from": "memory_budget setting"}
+    small, big = shown["models"]["small"], shown["models"]["big"]
+    assert small["default"] and small["aliases"] == ["gpt-4o-mini"] and big["pinned"] and big["loads_at_start"]
+    assert small["predicted_bytes"]["model"] == big["predicted_bytes"]["model"] > 200 * 2**20
+    assert big["predicted_bytes"]["context"] > small["predicted_bytes"]["context"]  # its context is 8x longer
+
+
+def test_check_config_refuses_a_fleet_model_that_can_never_fit(capsys, tmp_path, bundled_model):
+    config = tmp_path / "fleet.toml"
+    config.write_text(f'memory_budget = "100MiB"\n[models.a]\npath = "{bundled_model}"\n')
+    assert main(["check-config", "--config", str(config)]) == 2
+    err = capsys.readouterr().err
+    assert "model a needs" in err and "104857600" in err
 
 
 def test_check_config_errors_exit_2_naming_key_and_source(capsys, tmp_path):

@@ -1,0 +1,28 @@
+"""What handlers reach through the app (AppKeys), in a module of their own so
+that the app and the routes import it and not each other."""
+
+from __future__ import annotations
+
+from aiohttp import web
+
+from config import Settings
+from daemon.fleet.owner import Fleet, FleetModel, UnknownModel
+from daemon.http.errors import ApiError
+from daemon.metrics import MetricFamilies
+
+FLEET = web.AppKey("fleet", Fleet)
+SETTINGS = web.AppKey("settings", Settings)
+METRICS = web.AppKey("metrics", MetricFamilies)
+LOG = web.AppKey("log", object)
+
+LOGGED = web.RequestKey("logged", bool)  # set by run_job, which writes the request's log line itself
+
+
+def model_for(request: web.Request, name: str | None) -> FleetModel:
+    """The model a request names (id or alias; none: the default), or 404 as OpenAI answers it."""
+    if name is not None and not isinstance(name, str):
+        raise ApiError(400, "model: must be a string", "invalid_value", param="model")
+    try:
+        return request.app[FLEET].route(name)
+    except UnknownModel as exc:
+        raise ApiError(404, exc.message, "model_not_found", param="model") from None
