@@ -46,10 +46,11 @@ _FLAGS: list[tuple[str, dict[str, Any]]] = [
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dormouse", description="A GGUF model server that sleeps when idle.")
     commands = parser.add_subparsers(dest="command", required=True)
-    for name, help_text in (("status", "print the running daemon's state (never wakes it)"),
-                            ("sleep", "put the running daemon to sleep now"),
-                            ("wake", "wake the running daemon and wait until it is ready")):
+    for name, help_text in (("status", "print the running daemon's state and every model's (never wakes one)"),
+                            ("sleep", "put a model to sleep now (without --model: every idle model)"),
+                            ("wake", "wake a model (without --model: the default) and wait until it is ready")):
         sub = commands.add_parser(name, help=help_text)
+        sub.add_argument("--model", help="a model id or alias (see status)")
         sub.add_argument("--url", default="http://127.0.0.1:8080", help="the daemon (default http://127.0.0.1:8080)")
         sub.add_argument("--admin-key", default=os.environ.get("DORMOUSE_ADMIN_KEY"),
                          help="admin key, if one is set (also DORMOUSE_ADMIN_KEY)")
@@ -68,12 +69,15 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _remote(command: str, url: str, admin_key: str | None, api_key: str | None = None) -> int:
+def _remote(command: str, url: str, admin_key: str | None, api_key: str | None = None, model: str | None = None) -> int:
     """status / sleep / wake against a running daemon, with the standard library only."""
     import urllib.error
+    import urllib.parse
     import urllib.request
 
     path, method = {"status": ("/props", "GET"), "sleep": ("/sleep", "POST"), "wake": ("/wake", "POST")}[command]
+    if model is not None:
+        path += "?" + urllib.parse.urlencode({"model": model})
     # A POST declares JSON: the daemon refuses other bodies (urllib would send a form type).
     request = urllib.request.Request(url.rstrip("/") + path, method=method, data=b"{}" if method == "POST" else None,
                                      headers={"Content-Type": "application/json"} if method == "POST" else {})
@@ -94,9 +98,14 @@ def _remote(command: str, url: str, admin_key: str | None, api_key: str | None =
         print(f"dormouse: cannot reach {url}: {getattr(exc, 'reason', exc)}", file=sys.stderr)
         return 1
     if command == "status":
-        keys = ("state", "is_sleeping", "failure", "sleep_idle_seconds", "idle_timer_remaining",
+        keys = ("id", "state", "is_sleeping", "failure", "sleep_idle_seconds", "idle_timer_remaining",
                 "requests_in_flight", "requests_waiting", "last_wake", "last_sleep")
+        fleet = body.get("fleet") or {}
         body = {k: body.get(k) for k in keys}
+        if fleet:  # every model, one line each: what `ollama ps` shows, and what sleeps
+            body["models"] = {m["id"]: {"status": m["status"], "pinned": m["pinned"], "default": m["default"],
+                                        "footprint_bytes": m["footprint_bytes"]} for m in fleet.get("models", [])}
+            body["memory"] = {"budget_bytes": fleet.get("budget_bytes"), "planned_bytes": fleet.get("planned_bytes")}
     print(json.dumps(body, indent=2))
     return 0
 
@@ -105,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     args = vars(_parser().parse_args(argv))
     command = args.pop("command")
     if command in ("status", "sleep", "wake"):
-        return _remote(command, args["url"], args["admin_key"], args["api_key"])
+        return _remote(command, args["url"], args["admin_key"], args["api_key"], args["model"])
     config_file = args.pop("config", None)
     try:
         settings = load_settings(config_file, args)

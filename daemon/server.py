@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import os
 import signal
 from typing import Any, Callable
 
@@ -60,10 +61,14 @@ def build_fleet(settings: Settings, plans: list[ModelPlan], families: MetricFami
             model.measured_bytes = sum(plan.measured.values())
         models.append(model)
     keys = {plan.id: plan.key for plan in plans}
+    weights_on_disk = {plan.id: _file_size(plan.model_path) for plan in plans}
 
     def keep_measurement(model: FleetModel) -> None:  # fsync: off the event loop
-        if keys.get(model.id) and model.measured_components:
-            asyncio.get_running_loop().run_in_executor(None, store.put, keys[model.id], model.measured_components)
+        # A measurement below half the weights' size on disk is not one of this
+        # model (a test's fake worker, a broken ledger): it is shown, not kept.
+        if not keys.get(model.id) or not model.measured_components or model.bytes < weights_on_disk[model.id] // 2:
+            return
+        asyncio.get_running_loop().run_in_executor(None, store.put, keys[model.id], model.measured_components)
 
     default = next(plan.id for plan in plans if plan.is_default)
     fleet = Fleet(models, default, budget.bytes, settings.wake_timeout, FleetMetrics(families.registry), log,
@@ -71,6 +76,13 @@ def build_fleet(settings: Settings, plans: list[ModelPlan], families: MetricFami
     log.info("fleet.budget", bytes=budget.bytes, how=budget.how, admission=fleet.admitting,
              models={m.id: m.bytes for m in models})
     return fleet
+
+
+def _file_size(path: str) -> int:
+    try:
+        return os.path.getsize(path)
+    except OSError:
+        return 0
 
 
 def fleet_status(fleet: Fleet) -> str:
