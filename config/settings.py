@@ -111,9 +111,19 @@ class Settings(BaseSettings):
         None, description="bytes the models may hold together (an int, or '20GiB'); default: the GPU's total less "
                           "1 GiB, or on CPU 75% of the RAM available at start (dormouse check-config prints it)")
 
+    # -- the prompt cache across sleeps --
+    kv_cache_min_tokens: int = Field(256, ge=1, le=2**24,
+                                     description="a slot's cached prefix at least this long is saved at sleep")
+    kv_cache_disk_bytes: int = Field(
+        4 * 2**30, description="bytes of saved prompt caches per model (an int, or '4GiB'); least recently used go "
+                               "first; 0 turns saving off")
+
     # -- scale-out --
     agent_port: int | None = Field(None, ge=1, le=65535,
                                    description="answer HAProxy's agent check on this port (weight by state); none: off")
+    drain_grace_seconds: float = Field(
+        2.0, ge=0, le=60, description="with agent_port: after SIGTERM the agent answers weight 0 for this long while "
+                                      "the daemon still serves, so the balancer stops first; 0: off")
 
     # -- operations --
     log_format: Literal["auto", "console", "json"] = "auto"
@@ -133,6 +143,11 @@ class Settings(BaseSettings):
     @classmethod
     def _size(cls, value: Any) -> Any:
         return None if value is None or value == "" else parse_size(value)
+
+    @field_validator("kv_cache_disk_bytes", mode="before")
+    @classmethod
+    def _disk_size(cls, value: Any) -> Any:
+        return 0 if value in (0, "0") else parse_size(value)
 
     @model_validator(mode="after")
     def _fleet_names(self) -> "Settings":

@@ -37,6 +37,8 @@ _FLAGS: list[tuple[str, dict[str, Any]]] = [
     ("--shutdown-timeout", {"type": float, "help": "seconds SIGTERM lets in-flight requests finish (default 30)"}),
     ("--state-dir", {"help": "where the bundled model is written"}),
     ("--agent-port", {"type": int, "help": "answer HAProxy's agent check on this port (default off)"}),
+    ("--drain-grace-seconds", {"type": float, "help": "with --agent-port: after SIGTERM, answer weight 0 and keep "
+                                                      "serving this long (default 2)"}),
     ("--memory-budget", {"help": "bytes the models may hold together, e.g. 20GiB (default: GPU total less 1 GiB, "
                                  "or 75%% of available RAM)"}),
     ("--default-model", {"help": "the [models.ID] that requests naming no model go to"}),

@@ -120,6 +120,18 @@ class MetricFamilies:
             "dormouse_invalid_transitions_total", "Events with no row in the state table (a bug), dropped", M + ["state", "event"],
             registry=r
         )
+        self.kv_saved_bytes = Counter("dormouse_kv_cache_saved_bytes_total",
+                                      "Bytes of prompt caches written at sleeps", M, registry=r)
+        self.kv_restored_tokens = Counter("dormouse_kv_cache_restored_tokens_total",
+                                          "Prompt tokens restored from caches saved at a sleep", M, registry=r)
+        self.kv_hits = Counter("dormouse_kv_cache_hits_total", "Requests that restored a saved prompt cache", M, registry=r)
+        self.kv_misses = Counter("dormouse_kv_cache_misses_total",
+                                 "Requests that looked for a saved prompt cache and found none that fits", M, registry=r)
+        self.kv_rejected = Counter("dormouse_kv_cache_rejected_files_total",
+                                   "Saved prompt caches deleted as untrustworthy, by reason", M + ["reason"], registry=r)
+        self.kv_disk_bytes = Gauge("dormouse_kv_cache_disk_bytes", "Bytes of saved prompt caches on disk", M, registry=r)
+        self.kv_restore_seconds = Histogram("dormouse_kv_cache_restore_seconds", "Time to restore a saved prompt cache",
+                                            M, buckets=LATENCY_BUCKETS, registry=r)
         self.idle_timeout_seconds = Gauge("dormouse_idle_timeout_seconds", "Configured idle sleep timeout (-1: never)", M, registry=r)
 
 
@@ -159,7 +171,10 @@ class Metrics:
         self.sleeps.labels(reason=record["reason"]).inc()
         for phase in record["phases"]:
             self.sleep_phase_seconds.labels(phase=phase["name"]).observe(phase["seconds"])
-            self.sleep_freed_bytes.labels(phase=phase["name"]).set(phase["freed_bytes"])
+            if phase["name"] == "kv_save":  # bytes written, not freed
+                self.kv_saved_bytes.inc(phase["freed_bytes"])
+            else:
+                self.sleep_freed_bytes.labels(phase=phase["name"]).set(phase["freed_bytes"])
         self.memory_bytes.clear()
 
     def set_state(self, state: ServerState) -> None:

@@ -54,6 +54,9 @@ class ModelSpec(msgspec.Struct, omit_defaults=True):
     warmup: bool = True
     cpu_repack: bool = False
     seed: int = -1
+    kv_dir: str | None = None  # where this model's prompt caches are saved at sleep; None: not saved
+    kv_min_tokens: int = 256  # shorter prefixes are not worth a file
+    kv_disk_bytes: int = 0  # the files' budget; least recently used go first
 
     # What one llama_decode may carry, shared by the worker (which sizes its
     # context with it) and the daemon's footprint prediction (which must match).
@@ -150,6 +153,7 @@ class Ready(Message):
     phases: list[Phase]
     model_info: dict[str, Any] = {}
     memory: dict[str, int] = {}  # component -> bytes
+    kv_rejected: dict[str, int] = {}  # saved prompt caches deleted at load, by reason
 
 
 class Tokens(Message):
@@ -172,6 +176,10 @@ class Done(Message):
     accepted_tokens: int = 0
     prompt_seconds: float = 0.0
     generation_seconds: float = 0.0
+    restored_tokens: int = 0  # of cached_tokens, restored from a prompt cache saved at a sleep
+    restore_seconds: float = 0.0
+    kv_lookup: str = ""  # "hit", "miss" (a saved cache was looked for, none fitted), "" (not looked)
+    kv_rejected: str | None = None  # a saved file failed its checks at restore (deleted): why
 
 
 class SlotInfo(msgspec.Struct):
@@ -195,6 +203,8 @@ class SleepReport(Message):
     rss_after: int = 0
     devices_before: list[dict[str, Any]] = []  # ggml device free/total before the teardown
     devices_after: list[dict[str, Any]] = []  # ... and before llama_backend_free
+    kv_saved_files: int = 0  # prompt caches written before the teardown (phase kv_save has the bytes)
+    kv_save_errors: int = 0
 
 
 class Error(Message):

@@ -41,7 +41,8 @@ def stop_budget(settings: Settings) -> float:
     """The longest SIGTERM can take to exit: drain, cancel grace, teardown, HTTP
     close, slack. systemd's TimeoutStopSec must be at least this (the unit's
     60 s covers the defaults; tests/unit/test_shutdown_budget.py checks)."""
-    return (settings.shutdown_timeout + CANCEL_GRACE_SECONDS + settings.teardown_timeout
+    drain_grace = settings.drain_grace_seconds if settings.agent_port else 0.0
+    return (drain_grace + settings.shutdown_timeout + CANCEL_GRACE_SECONDS + settings.teardown_timeout
             + HTTP_CLOSE_SECONDS + STOP_SLACK_SECONDS)
 
 
@@ -54,7 +55,7 @@ def build_fleet(settings: Settings, plans: list[ModelPlan], families: MetricFami
     budget = memory_budget(settings)
     models = []
     for plan in plans:
-        controller = Controller(plan.settings, plan.model_path, Metrics(families, plan.id), log)
+        controller = Controller(plan.settings, plan.model_path, Metrics(families, plan.id), log, model_id=plan.id)
         model = FleetModel(plan.id, controller, plan.predicted_bytes, plan.aliases, plan.pinned, plan.load_at_start)
         if plan.measured:
             model.measured_components = plan.measured
@@ -139,6 +140,13 @@ async def serve(settings: Settings, plans: list[ModelPlan], reload_settings: Cal
     if crashed:
         log.error("controller.crashed", task=crashed[0].get_name(), error=repr(crashed[0].exception()))
         code = 1
+    grace = settings.drain_grace_seconds
+    if agent is not None and not crashed and grace > 0:
+        # The balancer reads the agent every agent-inter: until it has read the
+        # zero weight, requests still come, and must still be served.
+        agent.drain()
+        log.info("shutdown.drain_grace", seconds=grace)
+        await asyncio.sleep(grace)
     log.info("shutdown.begin", in_flight=sum(len(c.machine.in_flight) for c in fleet.controllers))
     notifier.stopping()
     # Each controller's shutdown is bounded by itself; this outer bound is the

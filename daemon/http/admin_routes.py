@@ -76,6 +76,7 @@ async def props(request: web.Request) -> web.Response:
         "last_wake": c.last_wake,
         "last_sleep": c.last_sleep,
         "last_memory_check": c.last_memory_check,
+        "kv_cache": {**c.kv_saved, "min_tokens": s.kv_cache_min_tokens, "disk_budget_bytes": s.kv_cache_disk_bytes},
         "fleet": {"budget_bytes": fleet.budget, "planned_bytes": fleet.planned_bytes(), "admission": fleet.admitting,
                   "models": [fleet.describe(m) for m in fleet.models.values()]},
     })

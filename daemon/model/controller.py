@@ -30,7 +30,9 @@ import psutil
 from config import Settings
 from daemon import protocol as p
 from daemon.gpu import Nvml
+from daemon.model.files import state_dir
 from daemon.model.jobs import Job, JobFailure
+from daemon.model.kv_files import describe_dir
 from daemon.metrics import Metrics
 from daemon.model.reports import phase_seconds, sleep_record, wake_record
 from daemon.model.supervisor import LoadFailed, Supervisor, Worker
@@ -77,11 +79,16 @@ POISON_MEMORY = 1024  # fingerprints remembered (least recently struck forgotten
 CANCEL_GRACE_SECONDS = 2.0
 
 class Controller:
-    def __init__(self, settings: Settings, model_path: str, metrics: Metrics, log) -> None:
+    def __init__(self, settings: Settings, model_path: str, metrics: Metrics, log, model_id: str = "default") -> None:
         self.settings = settings
+        self.model_id = model_id
+        # This model's prompt caches, saved at each sleep (daemon/model/kv_files.py).
+        self.kv_dir = state_dir(settings) / "kv" / model_id
+        self.kv_saved: dict[str, Any] = describe_dir(self.kv_dir)
+        metrics.kv_disk_bytes.set(self.kv_saved["bytes"])
         self.model_path = model_path
         self.metrics = metrics
-        self.log = log
+        self.log = log.bind(model=model_id)  # with several models, every line says whose it is
         self.machine = ServerMachine(
             Policy(
                 idle_seconds=settings.sleep_idle_seconds,
@@ -91,7 +98,7 @@ class Controller:
                 early_crash_seconds=settings.early_crash_seconds,
             )
         )
-        self.supervisor = Supervisor(settings.worker_module, self._on_worker_message, self._on_worker_died, log,
+        self.supervisor = Supervisor(settings.worker_module, self._on_worker_message, self._on_worker_died, self.log,
                                      liveness_timeout=settings.worker_liveness_timeout)
         self.mailbox: asyncio.Queue[Event] = asyncio.Queue()
         self.jobs: dict[str, Job] = {}
@@ -354,6 +361,9 @@ class Controller:
         self.last_wake = wake_record(result, reason, time.perf_counter() - start)
         self.last_wake["admission_seconds"] = admitted_after
         self.model_info = ready.model_info
+        for reason, count in ready.kv_rejected.items():
+            self.metrics.kv_rejected.labels(reason=reason).inc(count)
+        await self._refresh_kv_saved()
         self.n_ctx_slot = ready.n_ctx_slot
         self.slots = [p.SlotInfo(i, "idle") for i in range(ready.n_slots)]
         self.metrics.observe_wake(self.last_wake, ready.model_info.get("memory_by_device") or {})
@@ -376,7 +386,15 @@ class Controller:
         self._forget_worker()
         self.log.info("sleep.done", reason=reason, seconds=round(seconds, 4), clean=self.last_sleep["clean"],
                       phases=phase_seconds(self.last_sleep, 5), pid=result.pid)
+        if result.report is not None and result.report.kv_save_errors:
+            self.log.warning("sleep.kv_save_failed", files=result.report.kv_save_errors)
+        await self._refresh_kv_saved()
         return SleepCompleted({"clean": self.last_sleep["clean"]})
+
+    async def _refresh_kv_saved(self) -> None:
+        """What prompt caches are on disk, for /props and the gauge (headers only, off the loop)."""
+        self.kv_saved = await asyncio.to_thread(describe_dir, self.kv_dir)
+        self.metrics.kv_disk_bytes.set(self.kv_saved["bytes"])
 
     def _forget_worker(self) -> None:
         """No worker holds the model any more: nothing of its slots or memory is shown."""
@@ -408,6 +426,9 @@ class Controller:
             draft_p_min=s.draft_p_min,
             warmup=warmup,
             cpu_repack=s.cpu_repack,
+            kv_dir=str(self.kv_dir),
+            kv_min_tokens=s.kv_cache_min_tokens,
+            kv_disk_bytes=s.kv_cache_disk_bytes,
         )
 
     # -- from the worker ------------------------------------------------------------
@@ -441,6 +462,14 @@ class Controller:
         m.accepted_tokens.inc(done.accepted_tokens)
         if done.completion_tokens > 1 and done.generation_seconds > 0:
             m.inter_token_seconds.observe(done.generation_seconds / (done.completion_tokens - 1))
+        if done.kv_lookup == "hit":
+            m.kv_hits.inc()
+            m.kv_restored_tokens.inc(done.restored_tokens)
+            m.kv_restore_seconds.observe(done.restore_seconds)
+        elif done.kv_lookup == "miss":
+            m.kv_misses.inc()
+        if done.kv_rejected:
+            m.kv_rejected.labels(reason=done.kv_rejected).inc()
 
     def _on_worker_died(self, worker: Worker, reason: str) -> None:
         uptime = None if self._ready_at is None else time.monotonic() - self._ready_at

@@ -63,14 +63,21 @@ def main(argv: list[str] | None = None) -> int:
             model_info={**runtime.describe(), "memory_by_device": runtime.ledger.by_device(),
                         "devices": device_memory()},
             memory=runtime.ledger.by_component(),
+            kv_rejected=engine.saved.rejected_at_load if engine.saved else {},
         )
     )
-    serve(channel, engine)
+    asked_to_sleep = serve(channel, engine)
     rss_before = rss_bytes()
     engine.close()
-    phases = runtime.teardown()
+    saved_files = save_errors = 0
+    kv_phase = []
+    if asked_to_sleep and engine.saved is not None:  # the prompt caches go to disk before the context goes
+        phase, saved_files, save_errors = engine.saved.save(engine.slots)
+        kv_phase = [phase]
+    phases = kv_phase + runtime.teardown()
     channel.send(p.SleepReport(phases, rss_before=rss_before, rss_after=rss_bytes(),
-                               devices_before=runtime.devices_before, devices_after=runtime.devices_after))
+                               devices_before=runtime.devices_before, devices_after=runtime.devices_after,
+                               kv_saved_files=saved_files, kv_save_errors=save_errors))
     return EXIT_OK
 
 
@@ -90,13 +97,13 @@ def warm_up(runtime, engine) -> None:
     runtime.on_progress("warmup", runtime.phases[-1].seconds)
 
 
-def serve(channel: Channel, engine) -> None:
-    """Until Sleep or EOF: take messages, run a step whenever there is work."""
+def serve(channel: Channel, engine) -> bool:
+    """Until Sleep (True) or EOF (False): take messages, run a step whenever there is work."""
     while True:
         message = channel.receive(block=not engine.busy)
         while message is not False:
             if message is None or isinstance(message, p.Sleep):
-                return
+                return message is not None
             if isinstance(message, p.Submit):
                 engine.submit(message)
             elif isinstance(message, p.Cancel):

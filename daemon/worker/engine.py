@@ -10,6 +10,7 @@ only the rest of the prompt is decoded (llama-server's prompt cache).
 from __future__ import annotations
 
 import ctypes
+import sys
 import time
 from collections import deque
 from typing import Callable
@@ -54,6 +55,14 @@ class Engine:
             self.speculator = Speculator(runtime.draft_ctx, runtime.draft_model, spec.parallel, spec.batch_size,
                                          spec.draft_max, spec.draft_min, spec.draft_p_min)
         self.end_of_turn = self._single_tokens(END_OF_TURN_MARKERS)
+        self.saved = None  # prompt caches saved at the last sleep, restored on demand
+        if runtime.spec.kv_dir and runtime.spec.kv_disk_bytes > 0:
+            from daemon.worker.kv_cache import SavedPrompts
+
+            try:
+                self.saved = SavedPrompts(self.ctx, runtime.model, runtime.spec)
+            except OSError as exc:  # the state directory is unreadable: serve without it
+                print(f"dormouse worker: saved prompt caches unavailable: {exc}", file=sys.stderr, flush=True)
         self.media = None
         if runtime.mmproj is not None:
             from daemon.worker.multimodal import MediaPrompts
@@ -195,7 +204,11 @@ class Engine:
                 self.emit(p.Done(msg.request_id, "error", error=f"internal error: {exc!r}", error_code="internal_error"))
                 continue
             slot = choose_slot(idle, tokens)
+            restored = self.saved.restore(slot, tokens) if self.saved is not None else (0, 0.0, "", None)
             self._assign(slot, msg, tokens, sampler)
+            job = slot.job
+            job.restored_tokens, job.restore_seconds, job.kv_lookup, job.kv_rejected = restored
+            job.restored_tokens = min(job.restored_tokens, job.n_cached)  # the last token is decoded again
             if msg.messages is not None:
                 slot.job.end_tokens = self.end_of_turn
 
@@ -397,6 +410,10 @@ class Engine:
                 generation_seconds=now - first,
                 drafted_tokens=job.n_drafted,
                 accepted_tokens=job.n_accepted,
+                restored_tokens=job.restored_tokens,
+                restore_seconds=job.restore_seconds,
+                kv_lookup=job.kv_lookup,
+                kv_rejected=job.kv_rejected,
             )
         )
         job.sampler.free()  # a sampled token that was never decoded is simply not in the cache

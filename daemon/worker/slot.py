@@ -31,6 +31,10 @@ class Job:
     started: float = field(default_factory=time.perf_counter)
     first_token_at: float | None = None
     end_tokens: frozenset[int] = frozenset()  # chat: end-of-turn markers that end generation
+    restored_tokens: int = 0  # of n_cached, restored from a saved prompt cache
+    restore_seconds: float = 0.0
+    kv_lookup: str = ""
+    kv_rejected: str | None = None
 
     def __post_init__(self) -> None:
         self.stops = StopMatcher(self.params.stop)

@@ -25,3 +25,9 @@ def test_default_stop_budget_fits_the_unit():
 def test_raising_the_drain_raises_the_budget():
     # The budget is derived from the settings, not a constant that could drift from them.
     assert stop_budget(Settings(shutdown_timeout=100)) > unit_timeout_stop_seconds()
+
+
+def test_the_drain_grace_counts_only_with_an_agent_and_still_fits():
+    plain, behind_haproxy = stop_budget(Settings()), stop_budget(Settings(agent_port=8081))
+    assert behind_haproxy == plain + Settings().drain_grace_seconds
+    assert behind_haproxy <= unit_timeout_stop_seconds()

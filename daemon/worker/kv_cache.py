@@ -1,0 +1,112 @@
+"""The prompt cache across sleeps: save each slot's KV state before the
+teardown, restore a saved prefix into a slot after a wake.
+
+Uses llama.cpp's per-sequence state API (llama_state_seq_get_data /
+_set_data): a slot is one sequence, so its cells travel alone, whatever the
+other slots hold. The file format and the index are daemon/model/kv_files.py.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import time
+from importlib import metadata
+from pathlib import Path
+
+from daemon import protocol as p
+from daemon.model.kv_files import (FORMAT_VERSION, KvEntry, KvFileError, KvHeader, KvIndex, checksum,
+                                   model_fingerprint, read_header, read_state, write_file)
+from daemon.worker.llama_lib import llama
+from daemon.worker.slot import Slot
+
+
+def context_layout(ctx: ctypes.c_void_p, model: ctypes.c_void_p) -> dict[str, object]:
+    """What decides whether saved KV bytes mean the same thing in a new context."""
+    params = llama.llama_context_default_params()  # the worker keeps llama.cpp's cache types and SWA mode
+    return {
+        "llama_cpp": metadata.version("llama_cpp_python"),
+        "n_ctx_slot": llama.llama_n_ctx_seq(ctx),
+        "n_layer": llama.llama_model_n_layer(model),
+        "n_embd": llama.llama_model_n_embd(model),
+        "type_k": int(params.type_k),
+        "type_v": int(params.type_v),
+        "swa_full": bool(params.swa_full),
+    }
+
+
+class SavedPrompts:
+    def __init__(self, ctx: ctypes.c_void_p, model: ctypes.c_void_p, spec: p.ModelSpec) -> None:
+        self.ctx = ctx
+        self.memory = llama.llama_get_memory(ctx)
+        self.min_tokens = spec.kv_min_tokens
+        self.budget = spec.kv_disk_bytes
+        self.index = KvIndex.scan(Path(spec.kv_dir), model_fingerprint(spec.model), context_layout(ctx, model))
+        self.rejected_at_load = dict(self.index.rejected)
+
+    # -- after a wake -------------------------------------------------------------
+
+    def restore(self, slot: Slot, tokens: list[int]) -> tuple[int, float, str, str | None]:
+        """Restore the longest saved prefix of `tokens` into `slot` when it beats
+        what the slot holds. Returns (tokens restored, seconds, lookup, rejected reason):
+        lookup is "hit", "miss", or "" when there was nothing to look for."""
+        live = slot.common_prefix(tokens)
+        if len(tokens) < self.min_tokens or not self.index.entries:
+            return 0, 0.0, "", None
+        entry = self.index.longest_prefix_of(tokens, longer_than=live)
+        if entry is None:
+            return 0, 0.0, ("miss" if live < self.min_tokens else ""), None
+        start = time.perf_counter()
+        try:
+            state = self._read(entry)
+        except KvFileError as exc:
+            self.index.reject(entry.path, exc.reason)
+            return 0, time.perf_counter() - start, "miss", exc.reason
+        llama.llama_memory_seq_rm(self.memory, slot.id, -1, -1)
+        buf = (ctypes.c_uint8 * len(state)).from_buffer_copy(state)
+        if llama.llama_state_seq_set_data(self.ctx, buf, len(state), slot.id) == 0:
+            llama.llama_memory_seq_rm(self.memory, slot.id, -1, -1)
+            slot.cache.clear()
+            self.index.reject(entry.path, "corrupt")
+            return 0, time.perf_counter() - start, "miss", "corrupt"
+        slot.cache[:] = entry.tokens
+        self.index.touch(entry)
+        return len(entry.tokens), time.perf_counter() - start, "hit", None
+
+    @staticmethod
+    def _read(entry: KvEntry) -> bytes:
+        header, offset = read_header(entry.path)  # the file may have changed since the scan
+        if header.tokens != entry.tokens:
+            raise KvFileError("corrupt", f"{entry.path.name}: tokens changed since it was indexed")
+        return read_state(entry.path, header, offset)
+
+    # -- before a sleep -----------------------------------------------------------
+
+    def save(self, slots: list[Slot]) -> tuple[p.Phase, int, int]:
+        """Each slot's cached prefix (text only: it stops at the first image),
+        written before the context is torn down. A failure is counted, never
+        stops the sleep. Returns the timed phase (with the bytes written), the
+        files written and the failures."""
+        start = time.perf_counter()
+        written = saved = errors = 0
+        for slot in slots:
+            tokens = slot.cache[:slot.cache.index(-1)] if -1 in slot.cache else list(slot.cache)
+            if len(tokens) < self.min_tokens or self.index.longest_prefix_of(tokens, len(tokens) - 1):
+                continue  # too short to be worth a file, or already saved as it is
+            try:
+                if len(tokens) < len(slot.cache):  # an image follows: its cells are not saved
+                    llama.llama_memory_seq_rm(self.memory, slot.id, len(tokens), -1)
+                size = llama.llama_state_seq_get_size(self.ctx, slot.id)
+                buf = (ctypes.c_uint8 * size)()
+                got = llama.llama_state_seq_get_data(self.ctx, buf, size, slot.id)
+                state = bytes(buf[:got])
+                header = KvHeader(FORMAT_VERSION, self.index.model, self.index.layout, tokens, len(state),
+                                  checksum(state))
+                path = write_file(self.index.directory, header, state)
+                _, offset = read_header(path)
+                self.index.add(path, tokens, len(state), offset)
+                written += path.stat().st_size
+                saved += 1
+            except (OSError, KvFileError):
+                errors += 1
+        self.index.keep_within(self.budget)
+        return p.Phase("kv_save", time.perf_counter() - start, written), saved, errors
