@@ -35,7 +35,6 @@ import httpx
 import psutil
 import pytest
 
-from config import Settings
 from tests.conftest import ROOT, free_port
 from tests.metrics_text import value
 
@@ -606,14 +605,8 @@ def test_awake_replica_killed_mid_burst(cluster):
 
 # The agent must say "up 0%" for a moment before the daemon stops taking
 # requests: a SIGTERM turns a daemon to stopping at once, and what HAProxy
-# sends it before its next agent check (agent-inter) is refused 503. The
-# daemon's drain grace (`drain_grace_seconds`, proposed to daemon/server.py)
-# closes that window; until it exists this test is expected to lose requests.
-DRAIN_GRACE = "drain_grace_seconds" in Settings.model_fields
-
-
-@pytest.mark.xfail(not DRAIN_GRACE, reason="the daemon has no drain grace yet: requests that reach it between "
-                   "SIGTERM and HAProxy's next agent check are refused 503", strict=False)
+# sends it before its next agent check (agent-inter) would be refused 503.
+# The daemon's drain grace (`drain_grace_seconds`) closes that window.
 def test_rolling_restart_under_load_loses_nothing(cluster):
     replicas, proxy = cluster
     until(lambda: all(r.state() in ("ready", "sleeping") for r in replicas), 60, "all three up")
