@@ -87,6 +87,9 @@ def _file_size(path: str) -> int:
 
 
 def fleet_status(fleet: Fleet) -> str:
+    """systemd's STATUS=: "state: ready" for one model; "chat: ready, coder: sleeping" for several."""
+    if len(fleet.models) == 1:
+        return f"state: {fleet.default_model.controller.state}"
     return ", ".join(f"{m.id}: {m.controller.state}" for m in fleet.models.values())
 
 

@@ -109,4 +109,5 @@ class SavedPrompts:
             except (OSError, KvFileError):
                 errors += 1
         self.index.keep_within(self.budget)
-        return p.Phase("kv_save", time.perf_counter() - start, written), saved, errors
+        # Listed even when nothing was worth saving (skipped), as the teardown's steps are.
+        return p.Phase("kv_save", time.perf_counter() - start, written, skipped=saved == 0), saved, errors

@@ -50,8 +50,10 @@ def test_sleep_report_lists_six_steps_with_draft_and_projector(start_daemon, bun
     d.wait_state("ready")
     body = d.http.post("/sleep").json()
     steps = body["last_sleep"]["phases"]
-    assert [s["name"] for s in steps] == ["draft_context", "draft_model", "context", "model", "mmproj", "backend"]
+    assert [s["name"] for s in steps] == ["kv_save", "draft_context", "draft_model", "context", "model", "mmproj",
+                                          "backend"]
     by_name = {s["name"]: s for s in steps}
+    assert by_name["kv_save"]["skipped"]  # nothing was cached: no prompt to save
     for name in ("draft_context", "draft_model", "context", "model", "mmproj"):
         assert not by_name[name]["skipped"] and by_name[name]["freed_bytes"] > 0 and by_name[name]["seconds"] >= 0
     assert not by_name["backend"]["skipped"]

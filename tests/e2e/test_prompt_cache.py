@@ -154,7 +154,7 @@ def test_saving_can_be_turned_off(start_daemon, tmp_path):
                      env=env)
     d.wait_state("ready")
     chat(d, [{"role": "user", "content": STORY[:1500]}], max_tokens=2)
-    assert [p["name"] for p in sleep(d)["phases"]][0] == "draft_context"  # no kv_save phase at all
+    assert [p["name"] for p in sleep(d)["phases"]][0] == "draft_context"  # saving is off: no kv_save step at all
     assert not kv_dir(d, state).exists()
 
 

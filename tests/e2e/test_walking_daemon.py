@@ -50,7 +50,7 @@ def test_completion_sleep_wake_cycle(start_daemon, bundled_model):
     assert props["is_sleeping"] is True
     assert not psutil.pid_exists(loaded_pid) or psutil.Process(loaded_pid).status() == psutil.STATUS_ZOMBIE
     assert [ph["name"] for ph in props["last_sleep"]["phases"]] == [
-        "draft_context", "draft_model", "context", "model", "mmproj", "backend"]
+        "kv_save", "draft_context", "draft_model", "context", "model", "mmproj", "backend"]
     assert props["last_sleep"]["clean"] is True
     freed = {ph["name"]: ph["freed_bytes"] for ph in props["last_sleep"]["phases"]}
     assert freed["model"] > 100 * 2**20 and freed["context"] > 0
