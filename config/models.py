@@ -21,6 +21,7 @@ fleet of one, as before the fleet existed.
 
 from __future__ import annotations
 
+import math
 import re
 from pathlib import Path
 from typing import Any
@@ -85,14 +86,14 @@ class ModelSettings(BaseModel):
     @classmethod
     def _names(cls, aliases: list[str]) -> list[str]:
         for alias in aliases:
-            if not MODEL_ID.match(alias):
+            if not MODEL_ID.fullmatch(alias):
                 raise ValueError(f"alias {alias!r} must be 1-128 letters, digits, '.', '_', ':' or '-'")
         return aliases
 
     @field_validator("sleep_idle_seconds")
     @classmethod
     def _idle(cls, value: float | None) -> float | None:
-        if value is not None and value < 0 and value != -1:
+        if value is not None and (not math.isfinite(value) or (value < 0 and value != -1)):
             raise ValueError("must be >= 0, or -1 for never")
         return value
 
@@ -113,7 +114,7 @@ def check_model_ids(models: dict[str, ModelSettings]) -> None:
     """Ids and aliases are names requests use: valid and unique across the fleet."""
     seen: dict[str, str] = {}
     for model_id, table in models.items():
-        if not MODEL_ID.match(model_id):
+        if not MODEL_ID.fullmatch(model_id):
             raise ValueError(f"model id {model_id!r} must be 1-128 letters, digits, '.', '_', ':' or '-'")
         for name in (model_id, *table.aliases):
             if name in seen and seen[name] != model_id:

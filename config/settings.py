@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ipaddress
 import json
+import math
 import os
 import tomllib
 from pathlib import Path
@@ -135,7 +136,7 @@ class Settings(BaseSettings):
     @field_validator("sleep_idle_seconds")
     @classmethod
     def _idle(cls, value: float) -> float:
-        if value < 0 and value != -1:
+        if not math.isfinite(value) or (value < 0 and value != -1):
             raise ValueError("must be >= 0, or -1 for never")
         return value
 

@@ -13,8 +13,9 @@ for one model should do. The answer is one of:
   under way (one load at a time per device, so two cold models never load
   at once and run out of memory). The owner asks again when anything
   changes; the request's wait is bounded by wake_timeout.
-- Refuse(reason): it can never fit (bigger than the budget, or than what
-  pinned models leave of it); the message names the sizes.
+- Refuse(reason): it can never fit (bigger than the whole budget); the
+  message names the sizes. (Pinned models that hold the room make it wait:
+  they still go to sleep when idle.)
 
 Peers admit by count (Ollama's OLLAMA_MAX_LOADED_MODELS, llama-server's
 --models-max); a count cannot know that two big models do not fit together
@@ -81,10 +82,6 @@ def plan_load(target: str, models: Mapping[str, ModelView], budget: int) -> Deci
     others = [m for m in models.values() if m.id != target and m.resident]
     if want.bytes > budget:
         return Refuse(f"model {target} needs {mib(want.bytes)}, more than the whole memory budget of {mib(budget)}")
-    pinned = sum(m.bytes for m in others if m.pinned)
-    if want.bytes > budget - pinned:
-        return Refuse(f"model {target} needs {mib(want.bytes)}; pinned models hold {mib(pinned)} "
-                      f"of the memory budget of {mib(budget)}")
     loading = [m.id for m in others if m.state in LOADING_STATES]
     if loading:
         return Wait(f"one load at a time: {loading[0]} is loading")

@@ -23,7 +23,8 @@ from typing import Any, Callable
 
 from daemon.model.controller import Controller
 from daemon.fleet.metrics import FleetMetrics
-from statemachine import Event, LoadNotAdmitted, RequestArrived, ServerState, SleepRequested
+from statemachine import (Event, LoadNotAdmitted, RequestArrived, ServerState, SleepCompleted, SleepRequested,
+                          WorkerExited, WorkerLoadFailed)
 from statemachine.fleet import EvictFirst, ModelView, Refuse, StartNow, Wait, plan_load
 
 S = ServerState
@@ -33,12 +34,14 @@ HOLDING = frozenset({S.READY, S.UNLOADING, S.STOPPING})
 STATUS = {S.STARTING: "sleeping", S.LOADING: "loading", S.WAKING: "loading", S.READY: "loaded",
           S.UNLOADING: "unloading", S.SLEEPING: "sleeping", S.FAILED: "failed", S.STOPPING: "unloading"}
 RETRY_AFTER_NO_ROOM = 5.0
+WORKER_GONE = (SleepCompleted, WorkerExited, WorkerLoadFailed)
 
 
 class UnknownModel(KeyError):
     def __init__(self, name: str, known: list[str]) -> None:
         super().__init__(name)
-        self.message = f"model {name!r} does not exist; this server has {', '.join(known)}"
+        shown = name if len(name) <= 100 else name[:100] + "..."
+        self.message = f"model {shown!r} does not exist; this server has {', '.join(known)}"
 
 
 @dataclass
@@ -66,11 +69,12 @@ class FleetModel:
 class Fleet:
     def __init__(self, models: list[FleetModel], default: str, budget: int, wake_timeout: float,
                  metrics: FleetMetrics, log, on_measured: Callable[[FleetModel], None] | None = None,
-                 admit: bool = True) -> None:
+                 admit: bool = True, load_timeout: float = 600.0) -> None:
         self.models = {m.id: m for m in models}
         self.default = default
         self.budget = budget
         self.wake_timeout = wake_timeout
+        self.load_timeout = load_timeout
         self.metrics = metrics
         self.log = log
         self.on_measured = on_measured
@@ -117,23 +121,26 @@ class Fleet:
 
     # -- admission ------------------------------------------------------------------
 
-    async def admit(self, model_id: str) -> LoadNotAdmitted | None:
-        """Wait until `model_id` may load; None when it may, else why not."""
+    async def admit(self, model_id: str, reason: str = "request") -> LoadNotAdmitted | None:
+        """Wait until `model_id` may load; None when it may, else why not. A load
+        for a request waits as long as the request does (wake_timeout); one at
+        start, by an operator or a retry waits as long as a load may take."""
+        bound = self.wake_timeout if reason == "request" else max(self.wake_timeout, self.load_timeout)
         future = asyncio.get_running_loop().create_future()
         self._pending.append((model_id, future))
         self._changed.set()
         try:
-            return await asyncio.wait_for(asyncio.shield(future), self.wake_timeout)
+            return await asyncio.wait_for(asyncio.shield(future), bound)
         except asyncio.TimeoutError:
             if future.done():
                 return future.result()
             future.cancel()  # the owner drops it from the queue
             self.metrics.admission_refusals.labels(model=model_id, reason="timeout").inc()
-            reason = self._last_wait.get(model_id, "the memory did not come free")
-            self._gave_up[model_id] = (reason, time.monotonic())
-            self.log.warning("fleet.admission_timeout", model=model_id, reason=reason)
-            return LoadNotAdmitted(f"model {model_id} could not be loaded within {self.wake_timeout:g}s "
-                                   f"(wake_timeout): {reason}", "insufficient_memory", RETRY_AFTER_NO_ROOM)
+            why = self._last_wait.get(model_id, "the memory did not come free")
+            self._gave_up[model_id] = (why, time.monotonic())
+            self.log.warning("fleet.admission_timeout", model=model_id, reason=why)
+            return LoadNotAdmitted(f"model {model_id} could not be loaded within {bound:g}s: {why}",
+                                   "insufficient_memory", RETRY_AFTER_NO_ROOM)
         finally:
             if not future.done():
                 future.cancel()
@@ -219,6 +226,11 @@ class Fleet:
         def on_event(event: Event) -> None:
             if isinstance(event, RequestArrived):
                 model.last_used = time.monotonic()
+            if isinstance(event, WORKER_GONE):
+                # Its memory is back. Not only on reaching SLEEPING: a model asked for
+                # during its teardown goes from UNLOADING straight to WAKING, and must
+                # not count as holding memory while it queues for its next admission.
+                model.admitted = False
             self._changed.set()
 
         def on_state(before: S, after: S) -> None:
@@ -234,13 +246,15 @@ class Fleet:
         controller.event_listeners.append(on_event)
         controller.state_listeners.append(on_state)
         if self.admitting:
-            controller.admission = lambda: self.admit(model.id)
+            controller.admission = lambda reason: self.admit(model.id, reason)
 
     def _measured(self, model: FleetModel) -> None:
         by_device: dict[str, dict[str, int]] = model.controller.model_info.get("memory_by_device") or {}
         components = {component: sum(devices.values()) for component, devices in by_device.items()}
         if not components:
             return
+        if sum(components.values()) <= 0:
+            return  # nothing measured: the prediction stands
         model.measured_components = components
         model.measured_bytes = sum(components.values())
         self.metrics.footprint_bytes.labels(model=model.id, source="measured").set(model.measured_bytes)

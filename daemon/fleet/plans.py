@@ -15,6 +15,7 @@ from typing import Any
 import psutil
 
 from config import Settings
+from config.models import MODEL_ID
 from daemon.gpu import Nvml
 from daemon.model.files import ModelFileError, resolve_model_files, state_dir
 from daemon.model.footprint import Footprint, predict
@@ -56,7 +57,9 @@ def model_plans(settings: Settings, log=None) -> list[ModelPlan]:
     """Each configured model with its settings and checked files. Raises ModelFileError."""
     if not settings.models:
         path = resolve_model_files(settings)
-        return [ModelPlan(Path(path).stem, settings, path, is_default=True)]
+        stem = Path(path).stem  # the id clients see in /v1/models, and a directory name under state_dir/kv
+        model_id = stem if MODEL_ID.fullmatch(stem) and stem.strip(".") else "default"
+        return [ModelPlan(model_id, settings, path, is_default=True)]
     default = settings.default_model or next(iter(settings.models))
     plans = []
     for model_id, table in settings.models.items():

@@ -25,6 +25,8 @@ async def model_param(request: web.Request, required: bool = False) -> FleetMode
         if raw.strip():
             try:
                 body = msgspec.json.decode(raw)
+            except RecursionError:
+                raise ApiError(400, "request body is not valid JSON: nested too deeply", "invalid_json") from None
             except msgspec.DecodeError as exc:
                 raise ApiError(400, f"request body is not valid JSON: {exc}", "invalid_json") from None
             if not isinstance(body, dict):

@@ -105,6 +105,7 @@ class Controller:
         self.nvml = Nvml()
         self.stopped = asyncio.Event()
         self.state_listeners: list[Callable[[ServerState, ServerState], None]] = []
+        self.closed = False  # the owner task has decided to exit
         self.event_listeners: list[Callable[[Event], None]] = []  # after each decided event (the fleet re-plans)
 
         self.model_info: dict[str, Any] = {}
@@ -125,7 +126,7 @@ class Controller:
         self._tasks: set[asyncio.Task] = set()
         # Set by the fleet: asked before every load; answers None (load now) or
         # why not. A fleet of one has none and always loads.
-        self.admission: Callable[[], Awaitable[LoadNotAdmitted | None]] | None = None
+        self.admission: Callable[[str], Awaitable[LoadNotAdmitted | None]] | None = None
         self._admission_wait: asyncio.Future | None = None
         self.last_refusal: LoadNotAdmitted | None = None  # why the last load was not admitted, if it was not
         metrics.idle_timeout_seconds.set(settings.sleep_idle_seconds)
@@ -167,9 +168,9 @@ class Controller:
             if isinstance(event, RequestAbandoned) and event.request_id not in self.machine.in_flight:
                 self.jobs.pop(event.request_id, None)
             self._after_event(event)
-            for listener in self.event_listeners:
-                listener(event)
+            self._tell(self.event_listeners, event)
             if any(isinstance(c, Exit) for c in commands):
+                self.closed = True  # from here on, nothing reads the mailbox
                 break
         self._cancel_timers()
         for task in list(self._tasks):
@@ -185,6 +186,9 @@ class Controller:
         request_id = f"{endpoint.split('.')[0][:4]}-{uuid.uuid4().hex[:24]}"
         job = Job(p.Submit(request_id, params, prompt=prompt, messages=messages), endpoint)
         job.cold = self.state is not ServerState.READY
+        if self.closed:  # this model has stopped (others of the fleet may still be draining)
+            job.put(JobFailure(503, "shutting_down", "server is shutting down", 1.0))
+            return job
         if self._crash_strikes.get(_fingerprint(job.submit), 0) >= POISON_CRASHES:
             self.metrics.poison_refusals.inc()
             job.put(JobFailure(400, "request_crashed_worker",
@@ -201,6 +205,8 @@ class Controller:
             self.post(RequestAbandoned(job.id))
 
     async def admin(self, event_type: type[SleepRequested] | type[WakeRequested]) -> tuple[bool, str]:
+        if self.closed:
+            return False, "the server is shutting down"
         ticket = next(self._tickets)
         future = asyncio.get_running_loop().create_future()
         self._replies[ticket] = future
@@ -323,11 +329,11 @@ class Controller:
         self._forget_worker()
         return SleepCompleted({"clean": False})
 
-    async def _admit(self) -> LoadNotAdmitted | None:
+    async def _admit(self, reason: str) -> LoadNotAdmitted | None:
         """Wait for the fleet's word; a stop calls the wait off."""
         if self.admission is None:
             return None
-        self._admission_wait = asyncio.ensure_future(self.admission())
+        self._admission_wait = asyncio.ensure_future(self.admission(reason))
         try:
             await asyncio.wait({self._admission_wait})
         finally:
@@ -339,7 +345,7 @@ class Controller:
 
     async def _start_worker(self, reason: str) -> Event:
         start = time.perf_counter()
-        refusal = await self._admit()
+        refusal = await self._admit(reason)
         self.last_refusal = refusal
         if refusal is not None:
             self.log.warning("load.not_admitted", reason=refusal.reason, code=refusal.code)
@@ -363,7 +369,7 @@ class Controller:
         self.model_info = ready.model_info
         for reason, count in ready.kv_rejected.items():
             self.metrics.kv_rejected.labels(reason=reason).inc(count)
-        await self._refresh_kv_saved()
+        self._spawn(self._refresh_kv_saved())  # the worker may have deleted files; the wake does not wait
         self.n_ctx_slot = ready.n_ctx_slot
         self.slots = [p.SlotInfo(i, "idle") for i in range(ready.n_slots)]
         self.metrics.observe_wake(self.last_wake, ready.model_info.get("memory_by_device") or {})
@@ -508,8 +514,15 @@ class Controller:
         self.metrics.set_state(after)
         self.log.info("state", before=str(before), after=str(after), cause=type(event).__name__)
         self._state_changed.set()
-        for listener in self.state_listeners:
-            listener(before, after)
+        self._tell(self.state_listeners, before, after)
+
+    def _tell(self, listeners: list[Callable], *args) -> None:
+        """A listener's bug is logged; it never stops the owner task."""
+        for listener in listeners:
+            try:
+                listener(*args)
+            except Exception as exc:  # noqa: BLE001
+                self.log.exception("controller.listener_failed", listener=repr(listener), error=repr(exc))
 
     def _after_event(self, event: Event) -> None:
         self.metrics.requests_in_flight.set(len(self.machine.in_flight))

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import stat as stat_mode
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -43,10 +44,13 @@ class KvFileError(ValueError):
         self.reason = reason  # truncated, corrupt, other_model, other_layout, version, unreadable
 
 
+Scalar = str | int | bool
+
+
 class KvHeader(msgspec.Struct):
     version: int
-    model: dict[str, Any]
-    layout: dict[str, Any]
+    model: dict[str, Scalar]  # flat: a nested header is not one of ours
+    layout: dict[str, Scalar]
     tokens: list[int]
     state_bytes: int
     checksum: str
@@ -95,8 +99,14 @@ def write_file(directory: Path, header: KvHeader, state: bytes) -> Path:
 def read_header(path: Path) -> tuple[KvHeader, int]:
     """The header and the offset of the state bytes; checks everything but the checksum."""
     try:
-        size = path.stat().st_size
-        with open(path, "rb") as f:
+        # O_NONBLOCK: a FIFO planted as x.kv must not block the open; only regular files are read.
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0))
+        info = os.fstat(fd)
+        if not stat_mode.S_ISREG(info.st_mode):
+            os.close(fd)
+            raise KvFileError("corrupt", f"{path.name}: not a regular file")
+        size = info.st_size
+        with os.fdopen(fd, "rb") as f:
             prefix = f.read(PREFIX.size)
             if len(prefix) < PREFIX.size:
                 raise KvFileError("truncated", f"{path.name}: shorter than its prefix")
@@ -112,8 +122,8 @@ def read_header(path: Path) -> tuple[KvHeader, int]:
         raise KvFileError("unreadable", f"{path.name}: {exc.strerror}") from None
     try:
         header = msgspec.msgpack.decode(raw, type=KvHeader)
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-        raise KvFileError("corrupt", f"{path.name}: header does not decode ({exc})") from None
+    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError) as exc:
+        raise KvFileError("corrupt", f"{path.name}: header does not decode ({exc!r:.200})") from None
     offset = PREFIX.size + header_len
     if size != offset + header.state_bytes:
         raise KvFileError("truncated", f"{path.name}: {size - offset} state bytes, the header says {header.state_bytes}")
@@ -122,7 +132,11 @@ def read_header(path: Path) -> tuple[KvHeader, int]:
 
 def read_state(path: Path, header: KvHeader, offset: int) -> bytes:
     try:
-        with open(path, "rb") as f:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0))
+        if not stat_mode.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise KvFileError("corrupt", f"{path.name}: not a regular file")
+        with os.fdopen(fd, "rb") as f:
             f.seek(offset)
             state = f.read(header.state_bytes)
     except OSError as exc:
@@ -157,6 +171,9 @@ class KvIndex:
     @classmethod
     def scan(cls, directory: Path, model: dict[str, Any], layout: dict[str, Any], delete_bad: bool = True) -> "KvIndex":
         index = cls(directory, model, layout)
+        if delete_bad and directory.is_dir():
+            for leftover in directory.glob(".*.tmp"):  # a save killed mid-write
+                leftover.unlink(missing_ok=True)
         for path in sorted(directory.glob("*" + SUFFIX)) if directory.is_dir() else []:
             try:
                 header, offset = read_header(path)
@@ -164,6 +181,8 @@ class KvIndex:
                     raise KvFileError("other_model", f"{path.name}: saved for another model file")
                 if header.layout != layout:
                     raise KvFileError("other_layout", f"{path.name}: saved with other context parameters")
+                if len(header.tokens) > int(layout.get("n_ctx_slot", len(header.tokens))):
+                    raise KvFileError("corrupt", f"{path.name}: more tokens than a slot holds")
             except KvFileError as exc:
                 if delete_bad:
                     index.reject(path, exc.reason)
@@ -173,7 +192,11 @@ class KvIndex:
         return index
 
     def reject(self, path: Path, reason: str) -> None:
-        path.unlink(missing_ok=True)
+        """Forget a file that is not to be trusted, and delete it if the directory lets us."""
+        try:
+            path.unlink(missing_ok=True)
+        except OSError:
+            pass  # a read-only state directory: never trusted all the same
         self.rejected[reason] = self.rejected.get(reason, 0) + 1
         self.entries = [e for e in self.entries if e.path != path]
 
@@ -229,9 +252,10 @@ def describe_dir(directory: Path) -> dict[str, Any]:
     for path in directory.glob("*" + SUFFIX) if directory.is_dir() else []:
         try:
             header, _ = read_header(path)
-        except KvFileError:
+            size = path.stat().st_size
+        except (KvFileError, OSError):
             continue
         files += 1
-        total += path.stat().st_size
+        total += size
         prefixes.append(len(header.tokens))
     return {"files": files, "bytes": total, "prefixes": sorted(prefixes, reverse=True)[:32]}

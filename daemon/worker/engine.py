@@ -47,6 +47,7 @@ class Engine:
             eos_token=self.token_text(llama.llama_vocab_eos(self.vocab)),
         )
         self._slots_changed = False
+        self._prompt_turn = 0  # the slot whose prompt chunk goes first in the next step
         self.speculator = None
         if runtime.draft_ctx is not None:
             from daemon.worker.speculative import Speculator
@@ -280,8 +281,13 @@ class Engine:
             if slot.state is SlotState.STARTED:
                 slot.move(SlotState.PROCESSING_PROMPT)
                 self._slots_changed = True
-            if slot.state is not SlotState.PROCESSING_PROMPT:
-                continue
+        prompting = [s for s in self.slots if s.state is SlotState.PROCESSING_PROMPT]
+        if prompting:
+            # One prompt chunk per step, the slots taking turns: a step stays one
+            # chunk long whatever the number of prompts, so the generating slots
+            # keep their pace and the worker answers the daemon's pings in time.
+            slot = min(prompting, key=lambda s: (s.id - self._prompt_turn) % len(self.slots))
+            self._prompt_turn = slot.id + 1
             job = slot.job
             end = min(len(job.prompt), job.n_prompt_done + self.n_batch)
             entries = [(slot, job.prompt[i], i == len(job.prompt) - 1) for i in range(job.n_prompt_done, end)]

@@ -58,19 +58,34 @@ class SavedPrompts:
         start = time.perf_counter()
         try:
             state = self._read(entry)
+        except OSError as exc:  # unreadable, or the directory changed under us: a miss
+            self.index.entries = [e for e in self.index.entries if e is not entry]
+            return 0, time.perf_counter() - start, "miss", "unreadable"
         except KvFileError as exc:
-            self.index.reject(entry.path, exc.reason)
+            self._reject(entry, exc.reason)
             return 0, time.perf_counter() - start, "miss", exc.reason
         llama.llama_memory_seq_rm(self.memory, slot.id, -1, -1)
         buf = (ctypes.c_uint8 * len(state)).from_buffer_copy(state)
-        if llama.llama_state_seq_set_data(self.ctx, buf, len(state), slot.id) == 0:
+        loaded = llama.llama_state_seq_set_data(self.ctx, buf, len(state), slot.id)
+        # What llama.cpp holds must be what the header says: a checksum proves the
+        # bytes are the ones written, not that they hold these positions.
+        if loaded == 0 or llama.llama_memory_seq_pos_max(self.memory, slot.id) != len(entry.tokens) - 1:
             llama.llama_memory_seq_rm(self.memory, slot.id, -1, -1)
             slot.cache.clear()
-            self.index.reject(entry.path, "corrupt")
+            self._reject(entry, "corrupt")
             return 0, time.perf_counter() - start, "miss", "corrupt"
         slot.cache[:] = entry.tokens
-        self.index.touch(entry)
+        try:
+            self.index.touch(entry)  # least recently used goes first; best effort
+        except OSError:
+            pass
         return len(entry.tokens), time.perf_counter() - start, "hit", None
+
+    def _reject(self, entry: KvEntry, reason: str) -> None:
+        try:
+            self.index.reject(entry.path, reason)
+        except OSError:  # a read-only state directory: forget the file, serve on
+            self.index.entries = [e for e in self.index.entries if e is not entry]
 
     @staticmethod
     def _read(entry: KvEntry) -> bytes:
@@ -96,9 +111,11 @@ class SavedPrompts:
                 if len(tokens) < len(slot.cache):  # an image follows: its cells are not saved
                     llama.llama_memory_seq_rm(self.memory, slot.id, len(tokens), -1)
                 size = llama.llama_state_seq_get_size(self.ctx, slot.id)
+                if size > self.budget:
+                    continue  # could never be kept: do not write it to delete it
                 buf = (ctypes.c_uint8 * size)()
                 got = llama.llama_state_seq_get_data(self.ctx, buf, size, slot.id)
-                state = bytes(buf[:got])
+                state = ctypes.string_at(buf, got)  # bytes(buf[:got]) went through a list of ints: 50x slower
                 header = KvHeader(FORMAT_VERSION, self.index.model, self.index.layout, tokens, len(state),
                                   checksum(state))
                 path = write_file(self.index.directory, header, state)

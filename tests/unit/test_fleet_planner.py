@@ -60,8 +60,9 @@ def test_refuses_what_can_never_fit_naming_the_sizes():
     decision = plan_load("big", fleet(asleep("big", 12)), 10 * GiB)
     assert isinstance(decision, Refuse)
     assert "12288 MiB" in decision.reason and "10240 MiB" in decision.reason
+    # Pinned models holding the room make it wait, not refuse: they sleep when idle all the same.
     decision = plan_load("b", fleet(loaded("pin", 8, pinned=True), asleep("b", 4)), 10 * GiB)
-    assert isinstance(decision, Refuse) and "pinned" in decision.reason
+    assert isinstance(decision, Wait)
 
 
 def test_a_resident_model_starts_at_once():
@@ -112,8 +113,7 @@ def test_random_fleets(seed):
         rest = [m for m in others if m.evictable and m.id not in decision.victims]
         assert all(m.last_used >= max(v.last_used for v in victims) for m in rest)  # least recently used first
     elif isinstance(decision, Refuse):
-        pinned = sum(m.bytes for m in others if m.pinned)
-        assert want > budget - pinned
+        assert want > budget
     else:
         assert isinstance(decision, Wait)
         loading = any(m.state in (S.LOADING, S.WAKING) for m in others)
