@@ -10,7 +10,7 @@ import datetime
 import os
 import platform
 
-from bench import idle_cpu, resume, throughput
+from bench import fleet, idle_cpu, resume, throughput
 from bench.common import ROOT
 
 DOCS = ROOT / "docs"
@@ -59,6 +59,7 @@ def main() -> None:
     resume_text, resume_data = resume.run()
     throughput_text, throughput_data = throughput.run()
     idle_text, _ = idle_cpu.run()
+    fleet_text, _ = fleet.run()
     plot(resume_data, throughput_data)
     machine = f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}"
     doc = f"""# Benchmarks
@@ -95,6 +96,16 @@ here are noisy, so read the ratios. Regenerate everything with `make bench`
 
 ```
 {idle_text}
+```
+
+## Several models: admission by memory beside a count
+
+`.venv/bin/python -m bench.fleet`
+
+{fleet.ABOUT.strip()}
+
+```
+{fleet_text}
 ```
 """
     (DOCS / "BENCHMARKS.md").write_text(doc)
