@@ -34,12 +34,14 @@ def free_port() -> int:
 
 
 class Daemon:
-    def __init__(self, *args: str, model: str, threads: int = 2) -> None:
+    def __init__(self, *args: str, model: str | None, threads: int | None = 2) -> None:
+        """model/threads None: left to the other arguments (a fleet's --config sets them per model)."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        chosen = [*(["--model", model] if model else []), *(["--threads", str(threads)] if threads else [])]
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "daemon", "serve", "--port", str(self.port), "--model", model,
-             "--threads", str(threads), "--log-format", "json", "--log-level", "warning", *args],
+            [sys.executable, "-m", "daemon", "serve", "--port", str(self.port), *chosen,
+             "--log-format", "json", "--log-level", "warning", *args],
             cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         self.http = httpx.Client(base_url=self.url, timeout=300)
 

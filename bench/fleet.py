@@ -13,16 +13,12 @@ import argparse
 import json
 import random
 import shutil
-import signal
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-import httpx
 
-from bench.common import ROOT, bundled_model, free_port, median, table
+from bench.common import Daemon, bundled_model, median, table
 
 # The tests' fixtures write the tiny model and the fleet's TOML; bench runs from the repository root.
 from tests.fixtures.fleet import check_config, planned_bytes, write_toml
@@ -53,26 +49,12 @@ server's scheduler.
 MiB = 2**20
 
 
-class FleetDaemon:
+class FleetDaemon(Daemon):
     def __init__(self, toml: Path) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "daemon", "serve", "--config", str(toml), "--port", str(self.port),
-             "--log-format", "json", "--log-level", "warning"],
-            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        self.http = httpx.Client(base_url=self.url, timeout=300)
+        super().__init__("--config", str(toml), model=None, threads=None)  # the TOML sets both per model
 
     def wait_ready(self, timeout: float = 120) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            try:
-                if self.http.get("/health").json()["state"] == "ready":
-                    return
-            except httpx.TransportError:
-                pass
-            time.sleep(0.05)
-        raise TimeoutError("the fleet never became ready")
+        self.wait_state("ready", timeout=timeout)
 
     def models(self) -> dict[str, dict]:
         return {m["id"]: m for m in self.http.get("/v1/models").json()["data"]}
@@ -92,15 +74,6 @@ class FleetDaemon:
     def complete(self, model: str) -> int:
         return self.http.post("/v1/completions", json={"model": model, "prompt": "The dormouse", "max_tokens": 2,
                                                        "temperature": 0}).status_code
-
-    def stop(self) -> None:
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-        self.http.close()
 
 
 def fleet_tables(bundled: str, tiny: str) -> dict[str, dict]:
