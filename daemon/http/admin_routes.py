@@ -13,7 +13,7 @@ from aiohttp import web
 
 from daemon.fleet.owner import FleetModel
 from daemon.http.errors import ApiError
-from daemon.http.keys import FLEET, METRICS, SETTINGS, model_for
+from daemon.http.keys import FLEET, METRICS, SETTINGS, model_for, no_room
 from statemachine import ServerState, SleepRequested, WakeRequested
 
 
@@ -148,10 +148,9 @@ async def _wake_one(request: web.Request, model: FleetModel) -> web.Response:
     if state is ServerState.SLEEPING and controller.last_refusal is not None:
         refusal = controller.last_refusal
         raise ApiError(503, refusal.reason, refusal.code, retry_after=refusal.retry_after)
-    room = request.app[FLEET].waiting_for_room(model.id, since=began)
-    if state is not ServerState.READY and room is not None:  # its admission is (or just was) refused
-        raise ApiError(503, f"model {model.id} could not be loaded within {wake_timeout:g}s (wake_timeout): {room}",
-                       "insufficient_memory", retry_after=5)
+    refused = no_room(request, model, since=began)
+    if state is not ServerState.READY and refused is not None:  # its admission is (or just was) refused
+        raise refused
     if state is not ServerState.READY:  # the wake goes on; this caller stops waiting for it
         raise ApiError(503, f"the model did not become ready within {wake_timeout:g}s (wake_timeout); it is still "
                        f"{state} and the wake goes on", "wake_timeout", retry_after=5)

@@ -18,6 +18,17 @@ LOG = web.AppKey("log", object)
 LOGGED = web.RequestKey("logged", bool)  # set by run_job, which writes the request's log line itself
 
 
+def no_room(request: web.Request, model: FleetModel, since: float) -> ApiError | None:
+    """When a wait for a wake ran out because the fleet had no room for the model
+    (its admission waits, or just gave up): the 503 that says so, else None."""
+    room = request.app[FLEET].waiting_for_room(model.id, since=since)
+    if room is None:
+        return None
+    wake_timeout = request.app[SETTINGS].wake_timeout
+    return ApiError(503, f"model {model.id} could not be loaded within {wake_timeout:g}s (wake_timeout): {room}",
+                    "insufficient_memory", retry_after=5)
+
+
 def model_for(request: web.Request, name: str | None) -> FleetModel:
     """The model a request names (id or alias; none: the default), or 404 as OpenAI answers it."""
     if name is not None and not isinstance(name, str):

@@ -21,7 +21,7 @@ from pydantic import BaseModel, ValidationError
 from daemon import protocol as p
 from daemon.http.errors import ApiError
 from daemon.fleet.owner import FleetModel
-from daemon.http.keys import FLEET, LOG, LOGGED, SETTINGS, model_for
+from daemon.http.keys import FLEET, LOG, LOGGED, SETTINGS, model_for, no_room
 from daemon.model.jobs import Job, JobFailure
 from daemon.http.schemas import BodyError, ChatCompletionRequest, CompletionRequest, ImageRefused, decode_body, field_name
 
@@ -136,10 +136,9 @@ async def _first_item(request: web.Request, model: FleetModel, job: Job):
     try:
         return await job.next(settings.wake_timeout)
     except TimeoutError:
-        room = request.app[FLEET].waiting_for_room(model.id, since=job.accepted_at)
-        if room is not None:  # the wake never started: the fleet had no room for it
-            raise ApiError(503, f"model {model.id} could not be loaded within {settings.wake_timeout:g}s "
-                           f"(wake_timeout): {room}", "insufficient_memory", retry_after=5) from None
+        refused = no_room(request, model, since=job.accepted_at)
+        if refused is not None:  # the wake never started: the fleet had no room for it
+            raise refused from None
         raise ApiError(503, f"the model did not become ready within {settings.wake_timeout:g}s (wake_timeout)",
                        "wake_timeout", retry_after=5) from None
 

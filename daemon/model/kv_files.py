@@ -96,17 +96,21 @@ def write_file(directory: Path, header: KvHeader, state: bytes) -> Path:
     return target
 
 
+def _open_regular(path: Path):
+    """A binary file object for a regular file. O_NONBLOCK: a FIFO planted as
+    x.kv must not block the open; O_NOFOLLOW: no symlink is followed."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0))
+    if not stat_mode.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise KvFileError("corrupt", f"{path.name}: not a regular file")
+    return os.fdopen(fd, "rb")
+
+
 def read_header(path: Path) -> tuple[KvHeader, int]:
     """The header and the offset of the state bytes; checks everything but the checksum."""
     try:
-        # O_NONBLOCK: a FIFO planted as x.kv must not block the open; only regular files are read.
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0))
-        info = os.fstat(fd)
-        if not stat_mode.S_ISREG(info.st_mode):
-            os.close(fd)
-            raise KvFileError("corrupt", f"{path.name}: not a regular file")
-        size = info.st_size
-        with os.fdopen(fd, "rb") as f:
+        with _open_regular(path) as f:
+            size = os.fstat(f.fileno()).st_size
             prefix = f.read(PREFIX.size)
             if len(prefix) < PREFIX.size:
                 raise KvFileError("truncated", f"{path.name}: shorter than its prefix")
@@ -132,11 +136,7 @@ def read_header(path: Path) -> tuple[KvHeader, int]:
 
 def read_state(path: Path, header: KvHeader, offset: int) -> bytes:
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0))
-        if not stat_mode.S_ISREG(os.fstat(fd).st_mode):
-            os.close(fd)
-            raise KvFileError("corrupt", f"{path.name}: not a regular file")
-        with os.fdopen(fd, "rb") as f:
+        with _open_regular(path) as f:
             f.seek(offset)
             state = f.read(header.state_bytes)
     except OSError as exc:

@@ -58,7 +58,7 @@ class SavedPrompts:
         start = time.perf_counter()
         try:
             state = self._read(entry)
-        except OSError as exc:  # unreadable, or the directory changed under us: a miss
+        except OSError:  # unreadable, or the directory changed under us: a miss
             self.index.entries = [e for e in self.index.entries if e is not entry]
             return 0, time.perf_counter() - start, "miss", "unreadable"
         except KvFileError as exc:
