@@ -4,9 +4,14 @@ Messages are msgspec Structs, tagged by type, sent over a socketpair as a
 4-byte big-endian length followed by a msgpack body. (Not stdin/stdout:
 llama.cpp writes to fds 1 and 2.)
 
-Daemon -> worker: Load, Submit, Cancel, Ping, Sleep.
+Daemon -> worker: Load, Submit, Cancel, Ping, Sleep, Query.
 Worker -> daemon: Hello, LoadProgress, Ready, Tokens, Done, SlotStates, Pong,
-SleepReport, Error.
+SleepReport, Error, Answer.
+
+Submit starts a generation (answered by Tokens then one Done); Query asks for
+work that is one step long and needs the loaded model's vocabulary, template
+or embeddings context (tokenize, detokenize, apply_template, embed), answered
+by one Answer.
 
 Ping/Pong is the liveness check: a serving worker answers between decode
 steps, so a worker that stops answering (hung in a kernel, SIGSTOPped,
@@ -20,7 +25,7 @@ from typing import Any
 
 import msgspec
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 HEADER = struct.Struct(">I")
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 
@@ -57,6 +62,8 @@ class ModelSpec(msgspec.Struct, omit_defaults=True):
     kv_dir: str | None = None  # where this model's prompt caches are saved at sleep; None: not saved
     kv_min_tokens: int = 256  # shorter prefixes are not worth a file
     kv_disk_bytes: int = 0  # the files' budget; least recently used go first
+    embeddings: bool = False  # an embeddings model: a pooled context, no generation
+    pooling: str = "mean"  # mean, cls or last (with embeddings)
 
     # What one llama_decode may carry, shared by the worker (which sizes its
     # context with it) and the daemon's footprint prediction (which must match).
@@ -93,6 +100,8 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
     logit_bias: dict[int, float] = {}
     stop: list[str] = []
     ignore_eos: bool = False
+    grammar: str | None = None  # GBNF (root rule "root") the output must match; the HTTP layer builds it
+    logprobs: int | None = None  # None: none; 0: the chosen token's; K: and the K most likely
 
 
 class ChatPart(msgspec.Struct, omit_defaults=True):
@@ -101,9 +110,28 @@ class ChatPart(msgspec.Struct, omit_defaults=True):
     image: bytes | None = None  # raw image file bytes (png, jpeg, ...)
 
 
+class ToolCall(msgspec.Struct, omit_defaults=True):
+    """A call the assistant made, as OpenAI's message.tool_calls carries it."""
+
+    id: str
+    name: str
+    arguments: str  # JSON text, as the client sent it back
+
+
+class Tool(msgspec.Struct, omit_defaults=True):
+    """A function the model may call (OpenAI's tools[].function)."""
+
+    name: str
+    description: str = ""
+    parameters: dict[str, Any] = {}  # JSON schema of the arguments
+
+
 class ChatMessage(msgspec.Struct, omit_defaults=True):
-    role: str
+    role: str  # system, user, assistant, tool
     content: str | list[ChatPart] = ""
+    tool_calls: list[ToolCall] = []  # assistant
+    tool_call_id: str | None = None  # tool: the call it answers
+    name: str | None = None  # tool: the function's name
 
 
 class Submit(Message):
@@ -111,6 +139,7 @@ class Submit(Message):
     params: SamplingParams
     prompt: str | list[int] | None = None  # completions
     messages: list[ChatMessage] | None = None  # chat completions
+    tools: list[Tool] = []  # chat: given to the chat template (or described in a system turn)
 
 
 class Cancel(Message):
@@ -123,6 +152,26 @@ class Ping(Message):
 
 class Sleep(Message):
     """Tear everything down in order, send a SleepReport, exit."""
+
+
+class Query(Message):
+    """One-step work on the loaded model, answered by an Answer with the same id.
+    kind and args:
+      tokenize        text: str, add_special: bool, with_pieces: bool
+      detokenize      tokens: list[int]
+      apply_template  messages: list[ChatMessage], tools: list[Tool]
+      embed           inputs: list[str | list[int]]
+    """
+
+    request_id: str
+    kind: str
+    text: str = ""
+    add_special: bool = False
+    with_pieces: bool = False
+    tokens: list[int] = []
+    messages: list[ChatMessage] = []
+    tools: list[Tool] = []
+    inputs: list[str | list[int]] = []
 
 
 # -- worker -> daemon --------------------------------------------------------
@@ -156,12 +205,30 @@ class Ready(Message):
     kv_rejected: dict[str, int] = {}  # saved prompt caches deleted at load, by reason
 
 
+class TopLogprob(msgspec.Struct, array_like=True):
+    token: int
+    piece: bytes  # the token's bytes (a piece may be part of a UTF-8 character)
+    logprob: float
+
+
+class TokenLogprob(msgspec.Struct, array_like=True):
+    """One generated token: its log-probability under the model's own
+    distribution (before temperature and the sampler chain), and the most
+    likely alternatives at that position."""
+
+    token: int
+    piece: bytes
+    logprob: float
+    top: list[TopLogprob] = []
+
+
 class Tokens(Message):
     request_id: str
     text: str
     n_tokens: int
     n_prompt_tokens: int = 0  # set on the first Tokens of a request
     n_cached_tokens: int = 0
+    logprobs: list[TokenLogprob] = []  # the tokens generated since the last Tokens (SamplingParams.logprobs)
 
 
 class Done(Message):
@@ -207,6 +274,19 @@ class SleepReport(Message):
     kv_save_errors: int = 0
 
 
+class Answer(Message):
+    """The answer to a Query. error set: the query was refused (error_code says why)."""
+
+    request_id: str
+    tokens: list[int] = []  # tokenize
+    pieces: list[bytes] = []  # tokenize with_pieces
+    text: str = ""  # detokenize, apply_template
+    embeddings: list[list[float]] = []  # embed, in input order, normalized
+    prompt_tokens: int = 0  # embed: tokens read
+    error: str | None = None
+    error_code: str | None = None
+
+
 class Error(Message):
     """A fatal error in the worker (it exits after sending it)."""
 
@@ -214,8 +294,8 @@ class Error(Message):
     during: str = ""
 
 
-ToWorker = Load | Submit | Cancel | Ping | Sleep
-ToDaemon = Hello | LoadProgress | Ready | Tokens | Done | SlotStates | Pong | SleepReport | Error
+ToWorker = Load | Submit | Cancel | Ping | Sleep | Query
+ToDaemon = Hello | LoadProgress | Ready | Tokens | Done | SlotStates | Pong | SleepReport | Error | Answer
 
 _encoder = msgspec.msgpack.Encoder()
 _to_worker = msgspec.msgpack.Decoder(ToWorker)
