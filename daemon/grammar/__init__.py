@@ -1,0 +1,20 @@
+"""Structured output: the GBNF grammar a request's constraints ask for.
+
+`grammar_for` (in build.py) turns a request's `response_format`, llama-server's
+`json_schema` and `grammar`, and a forced tool call (`tools` with `tool_choice`
+"required" or a named function) into one GBNF text whose root rule is "root",
+or None when nothing is to be constrained. The worker hands the text to
+llama.cpp's grammar sampler.
+
+A constraint is enforced or refused, never silently ignored: every JSON Schema
+keyword that the grammar would not enforce raises GrammarRefused, naming the
+request field, the keyword and where it is, so the HTTP layer can answer 400.
+
+Pure Python: the JSON Schema converter is llama-cpp-python's llama_grammar.py,
+loaded by its path so that the daemon never imports the llama_cpp package
+(whose __init__ loads the llama.cpp shared library).
+"""
+
+from daemon.grammar.build import GrammarRefused, grammar_for
+
+__all__ = ["GrammarRefused", "grammar_for"]

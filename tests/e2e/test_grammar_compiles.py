@@ -1,0 +1,198 @@
+"""The grammars daemon.grammar builds are accepted by the real llama.cpp grammar
+sampler (llama_sampler_init_grammar, as the worker uses it), and they accept
+valid output and refuse invalid output token by token. A broken grammar gives
+NULL, which the worker turns into a 400. Only the bundled model's vocabulary is
+loaded (vocab_only), so this takes about a second."""
+
+from __future__ import annotations
+
+import ctypes
+import enum
+import json
+import time
+import uuid
+from typing import Literal, Optional, Union
+
+import pytest
+from openai.lib._pydantic import to_strict_json_schema
+from pydantic import BaseModel, Field
+
+from daemon.grammar import grammar_for
+
+pytestmark = pytest.mark.e2e
+
+
+class Color(str, enum.Enum):
+    red = "red"
+    green = "green"
+
+
+class Address(BaseModel):
+    street: str
+    zip_code: Optional[str] = None
+
+
+class Node(BaseModel):
+    value: int
+    children: list["Node"] = []
+
+
+class Cat(BaseModel):
+    kind: Literal["cat"]
+    indoor: bool
+
+
+class Dog(BaseModel):
+    kind: Literal["dog"]
+    weight: float
+
+
+class Person(BaseModel):
+    name: str = Field(description="full name")
+    age: int
+    color: Color
+    address: Address
+    tags: list[str]
+    nickname: Optional[str] = None
+    pet: Union[Cat, Dog] = Field(discriminator="kind")
+    code: str = Field(pattern=r"^[A-Z]{3}-\d{2,4}$")
+    short: str = Field(max_length=5)
+    pair: tuple[int, str]
+    scores: dict[str, float]
+    id: uuid.UUID
+
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}, "unit": {"enum": ["c", "f"]}},
+    "required": ["city"], "additionalProperties": False}}}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}}
+
+
+def schema_format(schema: dict) -> dict:
+    return {"type": "json_schema", "json_schema": {"name": "out", "schema": schema, "strict": True}}
+
+
+@pytest.fixture(scope="module")
+def vocab(bundled_model):
+    from daemon.worker.llama_lib import llama
+
+    quiet = llama.llama_log_callback(lambda level, text, user_data: None)
+    llama.llama_log_set(quiet, None)
+    llama.llama_backend_init()
+    params = llama.llama_model_default_params()
+    params.vocab_only = True
+    model = llama.llama_model_load_from_file(bundled_model.encode(), params)
+    assert model, "cannot load the bundled model's vocabulary"
+    yield llama, llama.llama_model_get_vocab(model)
+    llama.llama_model_free(model)
+    llama.llama_backend_free()
+
+
+def compiles(vocab, gbnf: str) -> bool:
+    llama, v = vocab
+    sampler = llama.llama_sampler_init_grammar(v, gbnf.encode(), b"root")
+    if not sampler:
+        return False
+    llama.llama_sampler_free(sampler)
+    return True
+
+
+def accepts(vocab, gbnf: str, text: str) -> bool:
+    """Every token of `text` passes the grammar, and then end-of-generation does."""
+    llama, v = vocab
+    raw = text.encode()
+    tokens = (llama.llama_token * (len(raw) + 8))()
+    n = llama.llama_tokenize(v, raw, len(raw), tokens, len(tokens), False, False)
+    assert n >= 0
+    sampler = llama.llama_sampler_init_grammar(v, gbnf.encode(), b"root")
+    assert sampler
+    try:
+        for token in [*tokens[:n], llama.llama_vocab_eos(v)]:
+            candidate = llama.llama_token_data(token, 0.0, 0.0)
+            array = llama.llama_token_data_array(ctypes.pointer(candidate), 1, -1, False)
+            llama.llama_sampler_apply(sampler, ctypes.byref(array))
+            if candidate.logit == float("-inf"):
+                return False
+            if token != llama.llama_vocab_eos(v):
+                llama.llama_sampler_accept(sampler, token)
+        return True
+    finally:
+        llama.llama_sampler_free(sampler)
+
+
+REPRESENTATIVE = {
+    "json_object": dict(response_format={"type": "json_object"}),
+    "json_object with schema": dict(response_format={"type": "json_object", "schema": Address.model_json_schema()}),
+    "pydantic person": dict(response_format=schema_format(Person.model_json_schema())),
+    "openai strict person": dict(response_format=schema_format(to_strict_json_schema(Person))),
+    "recursive node": dict(response_format=schema_format(Node.model_json_schema())),
+    "llama-server json_schema": dict(json_schema={"type": "array", "items": {"type": "integer"}, "maxItems": 3}),
+    "long string": dict(json_schema={"type": "string", "maxLength": 1000}),
+    "escapes in const": dict(json_schema={"enum": ['a"b', "back\\slash", "é", "line\nbreak"]}),
+    "pattern with escapes": dict(json_schema={"type": "string", "pattern": "^[A-Z]\\d{2}.[^x]\\s\\.\"(a|bc)*$"}),
+    "property named like a def": dict(json_schema={
+        "type": "object", "properties": {"Item": {"type": "object"}, "thing": {"$ref": "#/$defs/Item"}},
+        "$defs": {"Item": {"type": "string"}}}),
+    "tools required": dict(tools=[WEATHER, TIME], tool_choice="required"),
+    "tools required, one call": dict(tools=[WEATHER, TIME], tool_choice="required", parallel_tool_calls=False),
+    "tools named": dict(tools=[WEATHER, TIME], tool_choice={"type": "function", "function": {"name": "get_time"}}),
+    "raw grammar": dict(grammar='root ::= "yes" | "no"'),
+}
+
+
+@pytest.mark.parametrize("case", list(REPRESENTATIVE))
+def test_every_built_grammar_compiles(vocab, case):
+    gbnf = grammar_for(**REPRESENTATIVE[case])
+    assert compiles(vocab, gbnf), gbnf
+
+
+def test_a_broken_grammar_gives_null(vocab):
+    assert not compiles(vocab, 'root ::= "a" undefined-rule')
+    assert not compiles(vocab, "root ::= (")
+    assert not compiles(vocab, 'root ::= root "a" | "b"')  # left recursion
+
+
+def test_valid_output_passes_and_invalid_is_refused(vocab):
+    person = grammar_for(response_format=schema_format(to_strict_json_schema(Person)))
+    valid = {"name": "Ann", "age": 31, "color": "red", "address": {"street": "Main \"1\"", "zip_code": None},
+             "tags": ["a", "b"], "nickname": None, "pet": {"kind": "dog", "weight": 3.5}, "code": "ABC-123",
+             "short": "abc", "pair": [1, "x"], "scores": {"m": 1.5}, "id": str(uuid.uuid4())}
+    assert accepts(vocab, person, json.dumps(valid))
+    for wrong in ({"color": "blue"}, {"code": "AB-1"}, {"short": "toolong"}, {"pet": {"kind": "cat", "weight": 1}},
+                  {"age": "31"}):
+        assert not accepts(vocab, person, json.dumps({**valid, **wrong})), wrong
+    assert not accepts(vocab, person, json.dumps({k: v for k, v in valid.items() if k != "age"}))
+
+    calls = grammar_for(tools=[WEATHER, TIME], tool_choice="required")
+    assert accepts(vocab, calls, '[{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "c"}}, '
+                                 '{"name": "get_time", "arguments": {}}]')
+    assert not accepts(vocab, calls, '[{"name": "get_time", "arguments": {"city": "Oslo"}}]')
+    assert not accepts(vocab, calls, '[{"name": "get_date", "arguments": {}}]')
+    assert not accepts(vocab, calls, "[]")
+    one = grammar_for(tools=[WEATHER, TIME], tool_choice="required", parallel_tool_calls=False)
+    assert not accepts(vocab, one, '[{"name": "get_time", "arguments": {}}, {"name": "get_time", "arguments": {}}]')
+
+    pattern = grammar_for(json_schema={"type": "string", "pattern": "^[A-Z]\\d{2}.\"(a|bc)*$"})
+    assert accepts(vocab, pattern, json.dumps('X12-"abca'))
+    assert not accepts(vocab, pattern, json.dumps('X1-"a'))
+    assert not accepts(vocab, pattern, json.dumps('X12""a'))  # '.' never writes a raw quote
+
+    escapes = grammar_for(json_schema={"enum": ['a"b', "back\\slash", "line\nbreak"]})
+    assert accepts(vocab, escapes, json.dumps("back\\slash"))
+    assert accepts(vocab, escapes, json.dumps('a"b'))
+
+
+def test_json_object_whitespace_is_bounded(vocab):
+    """The converter's space rule is one optional space: no whitespace run-away."""
+    gbnf = grammar_for(response_format={"type": "json_object"})
+    assert accepts(vocab, gbnf, '{ "a": [1, 2] }')
+    assert not accepts(vocab, gbnf, '{  "a": 1}')
+    assert not accepts(vocab, gbnf, '{\n"a": 1}')
+
+
+def test_build_time_for_a_typical_schema():
+    schema = to_strict_json_schema(Person)
+    start = time.perf_counter()
+    for _ in range(20):
+        grammar_for(response_format=schema_format(schema))
+    print(f"\ngrammar for a typical schema: {(time.perf_counter() - start) / 20 * 1000:.2f} ms")
