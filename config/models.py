@@ -24,7 +24,7 @@ from __future__ import annotations
 import math
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -36,7 +36,7 @@ _UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
 # The keys a [models.ID] table may set; the rest of the settings are the daemon's.
 PER_MODEL_KEYS = ("model_draft", "mmproj", "ctx_size", "parallel", "threads", "n_gpu_layers", "batch_size",
                   "chat_template_file", "draft_max", "draft_min", "draft_p_min", "cpu_repack", "warmup",
-                  "sleep_idle_seconds", "spawn_ahead")
+                  "sleep_idle_seconds", "spawn_ahead", "embeddings", "pooling")
 
 
 def parse_size(value: int | str) -> int:
@@ -81,6 +81,8 @@ class ModelSettings(BaseModel):
     warmup: bool | None = None
     sleep_idle_seconds: float | None = None
     spawn_ahead: bool | None = None
+    embeddings: bool | None = None
+    pooling: Literal["mean", "cls", "last"] | None = None
 
     @field_validator("aliases")
     @classmethod

@@ -77,6 +77,8 @@ class Settings(BaseSettings):
     draft_p_min: float = Field(0.75, ge=0.0, le=1.0)
     cpu_repack: bool = Field(False, description="repacked CPU weights: batch-size-dependent kernels, so outputs depend on batching")
     warmup: bool = Field(True, description="one decode after a load at start or by POST /wake (a wake for a request skips it: the request warms up)")
+    embeddings: bool = Field(False, description="serve /v1/embeddings from this model (a pooled context; it then generates no text)")
+    pooling: Literal["mean", "cls", "last"] = Field("mean", description="how an embeddings model pools its token vectors")
 
     # -- sleep --
     sleep_idle_seconds: float = Field(300, description="sleep after this many idle seconds; -1 never")

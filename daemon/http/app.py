@@ -1,6 +1,6 @@
 """The aiohttp application: composition, and the one middleware that decides
 who may call what before any handler runs. Handlers live in openai_routes and
-admin_routes; the controller and settings are reached through AppKeys.
+llama_routes and admin_routes; the controller and settings are reached through AppKeys.
 
 Access, in order (each refusal is an OpenAI error body):
 - Host: with `allowed_hosts` set, a Host header naming another host is 403.
@@ -10,7 +10,8 @@ Access, in order (each refusal is an OpenAI error body):
   Browsers send Origin on every cross-origin POST (no-cors fetches and form
   posts included); curl and API clients send none. The daemon answers no
   CORS, so no legitimate browser page on another origin is refused by this.
-- Keys: /v1/*, /props and /slots need `api_key` (props and slots expose paths
+- Keys: /v1/*, llama-server's /tokenize, /detokenize, /apply-template and
+  /completion, /props and /slots need `api_key` (props and slots expose paths
   and request ids; the admin key works there too), /sleep and /wake need
   `admin_key`, or `api_key` when no admin key is set, /health and /metrics
   need `metrics_key` when one is set. 401 otherwise.
@@ -43,8 +44,12 @@ from daemon.metrics import MetricFamilies
 ADMIN_PATHS = frozenset({"/sleep", "/wake", "/models/load", "/models/unload"})
 PROBE_PATHS = frozenset({"/health", "/metrics"})
 PRIVATE_GET_PATHS = frozenset({"/props", "/slots"})
+# llama-server's extras: model work like /v1/*, behind the same API key.
+LLAMA_SERVER_PATHS = frozenset({"/tokenize", "/detokenize", "/apply-template", "/completion"})
 # Their endpoint names in logs and metrics labels (as the jobs' names).
-GENERATION_ENDPOINTS = {"/v1/completions": "completions", "/v1/chat/completions": "chat.completions"}
+GENERATION_ENDPOINTS = {"/v1/completions": "completions", "/v1/chat/completions": "chat.completions",
+                        "/v1/embeddings": "embeddings", "/completion": "completion", "/tokenize": "tokenize",
+                        "/detokenize": "detokenize", "/apply-template": "apply-template"}
 # Answers here change nothing and come every few seconds (probes, scrapes):
 # their log line is at debug level, unless the request was refused.
 QUIET_PATHS = frozenset({"/health", "/metrics", "/props", "/slots", "/v1/models", "/openapi.json"})
@@ -102,7 +107,7 @@ def _bearer(request: web.Request) -> bytes:
 
 def _keys_for(path: str, settings: Settings) -> tuple[list[SecretStr], str]:
     """The keys any one of which opens `path` (none: open), and what to call them."""
-    if path.startswith("/v1/"):
+    if path.startswith("/v1/") or path in LLAMA_SERVER_PATHS:
         return [k for k in (settings.api_key,) if k], "API key"
     if path in PRIVATE_GET_PATHS:
         return ([settings.api_key, settings.admin_key] if settings.api_key else []), "API key"
@@ -189,7 +194,7 @@ async def errors_and_access(request: web.Request, handler):
 
 
 def build_app(fleet: Fleet, settings: Settings, metrics: MetricFamilies, log) -> web.Application:
-    from daemon.http import admin_routes, openai_routes
+    from daemon.http import admin_routes, llama_routes, openai_routes
 
     app = web.Application(middlewares=[errors_and_access], client_max_size=settings.max_body_bytes)
     app[FLEET] = fleet
@@ -197,5 +202,6 @@ def build_app(fleet: Fleet, settings: Settings, metrics: MetricFamilies, log) ->
     app[METRICS] = metrics
     app[LOG] = log
     openai_routes.add_routes(app)
+    llama_routes.add_routes(app)
     admin_routes.add_routes(app)
     return app

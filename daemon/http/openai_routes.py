@@ -11,7 +11,6 @@ there, so a rejected or timed-out request still gets a proper status code.
 from __future__ import annotations
 
 import time
-from typing import Any
 
 import msgspec
 import structlog
@@ -23,7 +22,10 @@ from daemon.http.errors import ApiError
 from daemon.fleet.owner import FleetModel
 from daemon.http.keys import FLEET, LOG, LOGGED, SETTINGS, model_for, no_room
 from daemon.model.jobs import Job, JobFailure
-from daemon.http.schemas import BodyError, ChatCompletionRequest, CompletionRequest, ImageRefused, decode_body, field_name
+from daemon.http.schemas import (BodyError, ChatCompletionRequest, CompletionRequest, ImageRefused, SamplingFields,
+                                  decode_body, field_name)
+from daemon.http.shapes import ChatShape, CompletionShape, _Shape
+from daemon.tools.parse import ToolCallStream, new_call_id, parse_tool_calls, stream_deltas
 
 
 async def parse_body(request: web.Request, model: type[BaseModel]) -> BaseModel:
@@ -51,71 +53,8 @@ async def parse_body(request: web.Request, model: type[BaseModel]) -> BaseModel:
         raise ApiError(400, f"{name}: {message}", "invalid_value", param=name) from None
 
 
-_NO_USAGE: Any = object()  # the body has no "usage" key at all
-
-
-class _Shape:
-    """How one endpoint's responses look."""
-
-    object_name: str
-    chunk_name: str
-
-    def __init__(self, request_id: str, model: str, include_usage: bool = False) -> None:
-        self.id = request_id
-        self.model = model
-        self.created = int(time.time())
-        # As OpenAI's: with stream_options.include_usage every chunk carries
-        # "usage": null, and the last one (no choices) carries the usage.
-        self.chunk_usage = None if include_usage else _NO_USAGE
-
-    def envelope(self, object_name: str, choices: list[dict], usage: dict | None = _NO_USAGE) -> dict[str, Any]:
-        body: dict[str, Any] = {"id": self.id, "object": object_name, "created": self.created, "model": self.model,
-                                "choices": choices}
-        if usage is not _NO_USAGE:
-            body["usage"] = usage
-        return body
-
-
-class CompletionShape(_Shape):
-    def final(self, text: str, reason: str, usage: dict) -> dict:
-        return self.envelope("text_completion", [{"index": 0, "text": text, "logprobs": None, "finish_reason": reason}], usage)
-
-    def chunk(self, text: str, reason: str | None = None) -> dict:
-        return self.envelope("text_completion", [{"index": 0, "text": text, "logprobs": None, "finish_reason": reason}],
-                             self.chunk_usage)
-
-    def first_chunk(self) -> dict | None:
-        return None
-
-    def usage_chunk(self, usage: dict) -> dict:
-        return self.envelope("text_completion", [], usage)
-
-
-class ChatShape(_Shape):
-    def final(self, text: str, reason: str, usage: dict) -> dict:
-        message = {"role": "assistant", "content": text}
-        return self.envelope("chat.completion", [{"index": 0, "message": message, "logprobs": None, "finish_reason": reason}], usage)
-
-    def chunk(self, text: str | None, reason: str | None = None) -> dict:
-        delta = {} if text is None else {"content": text}
-        return self.envelope("chat.completion.chunk", [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}],
-                             self.chunk_usage)
-
-    def first_chunk(self) -> dict | None:
-        return self.envelope("chat.completion.chunk", [{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                                         "logprobs": None, "finish_reason": None}], self.chunk_usage)
-
-    def usage_chunk(self, usage: dict) -> dict:
-        return self.envelope("chat.completion.chunk", [], usage)
-
-
-def _usage(done: p.Done) -> dict[str, Any]:
-    return {
-        "prompt_tokens": done.prompt_tokens,
-        "completion_tokens": done.completion_tokens,
-        "total_tokens": done.prompt_tokens + done.completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": done.cached_tokens},
-    }
+# Worker error codes that are the request's fault.
+CLIENT_ERRORS = ("context_length_exceeded", "invalid_request", "invalid_grammar", "embeddings_not_enabled")
 
 
 def _failure_error(item: JobFailure | p.Done) -> ApiError:
@@ -123,7 +62,7 @@ def _failure_error(item: JobFailure | p.Done) -> ApiError:
         return ApiError(item.status, item.message, item.code, retry_after=item.retry_after)
     if item.finish_reason == "cancelled":
         return ApiError(503, "request cancelled: the server is shutting down", "cancelled", retry_after=1)
-    status = 400 if item.error_code in ("context_length_exceeded", "invalid_request") else 500
+    status = 400 if item.error_code in CLIENT_ERRORS else 500
     return ApiError(status, item.error or "generation failed", item.error_code)
 
 
@@ -143,10 +82,31 @@ async def _first_item(request: web.Request, model: FleetModel, job: Job):
                        "wake_timeout", retry_after=5) from None
 
 
+class Answer:
+    """What a generation produced, gathered for one JSON body."""
+
+    def __init__(self) -> None:
+        self.parts: list[str] = []
+        self.logprobs: list[p.TokenLogprob] = []
+
+    def add(self, tokens: p.Tokens) -> None:
+        self.parts.append(tokens.text)
+        self.logprobs.extend(tokens.logprobs)
+
+    @property
+    def text(self) -> str:
+        return "".join(self.parts)
+
+
+def tool_calls_out(calls) -> list[dict]:
+    return [{"id": new_call_id(), "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+            for c in calls]
+
+
 async def run_job(request: web.Request, model: FleetModel, job: Job, shape: _Shape, stream: bool,
-                  include_usage: bool) -> web.StreamResponse:
+                  include_usage: bool, tool_names: list[str] | None = None) -> web.StreamResponse:
+    """tool_names: the output may hold calls to these tools (chat with tools)."""
     controller = model.controller
-    metrics = controller.metrics
     structlog.contextvars.bind_contextvars(request_id=job.id)
     request[LOGGED] = True  # the line below, with the job's timings
     status, code = 200, None
@@ -155,32 +115,42 @@ async def run_job(request: web.Request, model: FleetModel, job: Job, shape: _Sha
         if _is_failure(item):
             raise _failure_error(item)
         if stream:
-            return await _stream(request, job, shape, item, include_usage)
-        parts: list[str] = []
+            return await _stream(request, job, shape, item, include_usage, tool_names)
+        answer = Answer()
         while isinstance(item, p.Tokens):
-            parts.append(item.text)
+            answer.add(item)
             item = await job.next(None)
         if _is_failure(item):
             raise _failure_error(item)
-        return web.json_response(shape.final("".join(parts), item.finish_reason, _usage(item)))
+        if tool_names is not None:
+            content, calls = parse_tool_calls(answer.text, tool_names)
+            reason = "tool_calls" if calls else item.finish_reason
+            return web.json_response(shape.final(content, reason, item, answer.logprobs, tool_calls_out(calls) or None))
+        return web.json_response(shape.final(answer.text, item.finish_reason, item, answer.logprobs))
     except ApiError as exc:
         status, code = exc.status, exc.code
         raise
     finally:
         controller.abandon(job)  # no-op once finished; frees the slot if the client left
-        request.app[LOG].info("request", endpoint=job.endpoint, model=model.id, status=status, code=code, stream=stream,
-                              cold=job.cold,
-                              seconds=round(time.monotonic() - job.accepted_at, 4), finished=job.finished)
-        metrics.requests.labels(endpoint=job.endpoint, status=str(status)).inc()
-        metrics.request_seconds.labels(endpoint=job.endpoint, outcome="ok" if status == 200 else "error").observe(
-            time.monotonic() - job.accepted_at)
+        record(request, model, job, status, code, stream)
         structlog.contextvars.unbind_contextvars("request_id")
+
+
+def record(request: web.Request, model: FleetModel, job: Job, status: int, code: str | None, stream: bool = False) -> None:
+    """The request's log line and metrics, however it ended."""
+    metrics = model.controller.metrics
+    request.app[LOG].info("request", endpoint=job.endpoint, model=model.id, status=status, code=code, stream=stream,
+                          cold=job.cold, seconds=round(time.monotonic() - job.accepted_at, 4), finished=job.finished)
+    metrics.requests.labels(endpoint=job.endpoint, status=str(status)).inc()
+    metrics.request_seconds.labels(endpoint=job.endpoint, outcome="ok" if status == 200 else "error").observe(
+        time.monotonic() - job.accepted_at)
 
 
 _encode = msgspec.json.encode
 
 
-async def _stream(request: web.Request, job: Job, shape: _Shape, item, include_usage: bool) -> web.StreamResponse:
+async def _stream(request: web.Request, job: Job, shape: _Shape, item, include_usage: bool,
+                  tool_names: list[str] | None) -> web.StreamResponse:
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                            "X-Request-Id": job.id})
     await response.prepare(request)
@@ -191,26 +161,70 @@ async def _stream(request: web.Request, job: Job, shape: _Shape, item, include_u
     first = shape.first_chunk()
     if first is not None:
         await send(first)
+    calls = ToolCallStream(tool_names) if tool_names is not None else None
+    pending: list[p.TokenLogprob] = []  # logprobs of text held back (a possible tool call)
     while isinstance(item, p.Tokens):
-        if item.text:
-            await send(shape.chunk(item.text))
+        pending.extend(item.logprobs)
+        text = calls.feed(item.text) if calls is not None else item.text
+        if text or (pending and calls is None):
+            await send(shape.chunk(text, pending))
+            pending = []
         item = await job.next(None)
     if _is_failure(item):
         await send(_failure_error(item).body())
     else:
-        await send(shape.chunk(None if isinstance(shape, ChatShape) else "", item.finish_reason))
+        reason = item.finish_reason
+        if calls is not None:
+            rest, found = calls.finish()
+            if rest or pending:
+                await send(shape.chunk(rest, pending))
+            if found:
+                for deltas in stream_deltas(found, [new_call_id() for _ in found]):
+                    await send(shape.chunk(None, tool_calls=deltas))
+                reason = "tool_calls"
+        await send(shape.last_chunk(reason, item))
         if include_usage:
-            await send(shape.usage_chunk(_usage(item)))
+            await send(shape.usage_chunk(item))
         await response.write(b"data: [DONE]\n\n")
     await response.write_eof()
     return response
 
 
+def structured_grammar(body: SamplingFields, chat: ChatCompletionRequest | None = None) -> str | None:
+    """The GBNF that enforces the body's response_format, json_schema, grammar
+    or forced tool call; None when nothing is constrained. A constraint that
+    cannot be enforced is a 400 naming it, never ignored."""
+    from daemon.grammar.build import GrammarRefused, grammar_for
+
+    tools = [t.model_dump(exclude_none=True) for t in chat.tools] if chat is not None and chat.tools else None
+    if chat is not None and chat.tool_choice not in (None, "none") and not tools:
+        raise ApiError(400, "tool_choice needs tools: no tools were given", "invalid_value", param="tool_choice")
+    try:
+        return grammar_for(response_format=body.response_format, json_schema=body.json_schema, grammar=body.grammar,
+                           tools=tools, tool_choice=chat.tool_choice if chat is not None else None,
+                           parallel_tool_calls=chat.parallel_tool_calls if chat is not None else True)
+    except GrammarRefused as exc:
+        raise ApiError(400, str(exc), "invalid_value", param=exc.param) from None
+
+
+def generation_model(request: web.Request, body: SamplingFields) -> FleetModel:
+    model = model_for(request, body.model)
+    if model.controller.settings.embeddings:
+        raise ApiError(400, f"model {model.id!r} serves embeddings only (embeddings = true): use /v1/embeddings, or "
+                            "name a model that generates text", "model_not_generative", param="model")
+    if body.n > 1:
+        raise ApiError(400, f"n: {body.n} choices were asked for; this server answers one choice per request",
+                       "invalid_value", param="n")
+    return model
+
+
 async def completions(request: web.Request) -> web.StreamResponse:
     body = await parse_body(request, CompletionRequest)
-    model = model_for(request, body.model)
-    job = model.controller.new_job("completions", body.sampling(body.max_tokens), prompt=body.prompt_value())
-    shape = CompletionShape(f"cmpl-{job.id}", model.id, body.include_usage)
+    grammar = structured_grammar(body)
+    model = generation_model(request, body)
+    params = body.sampling(body.max_tokens, grammar, body.logprobs)
+    job = model.controller.new_job("completions", params, prompt=body.prompt_value())
+    shape = CompletionShape(f"cmpl-{job.id}", model.id, body.include_usage, logprobs=body.logprobs is not None)
     return await run_job(request, model, job, shape, body.stream, body.include_usage)
 
 
@@ -221,10 +235,14 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         messages = body.protocol_messages(settings.max_images_per_request, settings.max_image_pixels)
     except ImageRefused as exc:
         raise ApiError(400, str(exc), exc.code, param="messages") from None
-    model = model_for(request, body.model)
-    job = model.controller.new_job("chat.completions", body.sampling(body.token_limit), messages=messages)
-    shape = ChatShape(f"chatcmpl-{job.id}", model.id, body.include_usage)
-    return await run_job(request, model, job, shape, body.stream, body.include_usage)
+    grammar = structured_grammar(body, chat=body)
+    model = generation_model(request, body)
+    params = body.sampling(body.token_limit, grammar, body.wanted_logprobs)
+    tools = [t.to_protocol() for t in body.tools or ()] if body.tool_choice != "none" else []
+    job = model.controller.new_job("chat.completions", params, messages=messages, tools=tools)
+    shape = ChatShape(f"chatcmpl-{job.id}", model.id, body.include_usage, logprobs=body.logprobs)
+    return await run_job(request, model, job, shape, body.stream, body.include_usage,
+                         tool_names=body.tool_names if body.calls_tools else None)
 
 
 async def models(request: web.Request) -> web.Response:

@@ -12,7 +12,8 @@ from typing import Any
 from pydantic.json_schema import models_json_schema
 
 from daemon import __version__
-from daemon.http.schemas import ChatCompletionRequest, CompletionRequest
+from daemon.http.schemas import (ApplyTemplateRequest, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+                                  EmbeddingsRequest, NativeCompletionRequest, TokenizeRequest)
 
 _ERROR = {"$ref": "#/components/schemas/Error"}
 _JSON = "application/json"
@@ -22,14 +23,17 @@ def _error_responses(*codes: int) -> dict[str, Any]:
     return {str(c): {"description": "error", "content": {_JSON: {"schema": _ERROR}}} for c in codes}
 
 
-def _generation(ref: str) -> dict[str, Any]:
+def _generation(ref: str, description: str = "the completion (JSON, or SSE when stream is true)",
+                stream: bool = True) -> dict[str, Any]:
+    content: dict[str, Any] = {_JSON: {"schema": {"type": "object"}}}
+    if stream:
+        content["text/event-stream"] = {"schema": {"type": "string"}}
     return {
         "post": {
             "requestBody": {"required": True, "content": {_JSON: {"schema": {"$ref": f"#/components/schemas/{ref}"}}}},
             "responses": {
-                "200": {"description": "the completion (JSON, or SSE when stream is true)",
-                        "content": {_JSON: {"schema": {"type": "object"}}, "text/event-stream": {"schema": {"type": "string"}}}},
-                **_error_responses(400, 401, 403, 404, 413, 415, 503),
+                "200": {"description": description, "content": content},
+                **_error_responses(400, 401, 403, 404, 413, 415, 500, 503),
             },
         }
     }
@@ -61,7 +65,8 @@ def _admin(required_model: bool) -> dict[str, Any]:
 @cache
 def openapi_document() -> dict[str, Any]:
     _, schemas = models_json_schema(
-        [(CompletionRequest, "validation"), (ChatCompletionRequest, "validation")],
+        [(model, "validation") for model in (CompletionRequest, ChatCompletionRequest, EmbeddingsRequest, TokenizeRequest,
+                                             DetokenizeRequest, ApplyTemplateRequest, NativeCompletionRequest)],
         ref_template="#/components/schemas/{model}",
     )
     components = schemas.get("$defs", {})
@@ -78,6 +83,11 @@ def openapi_document() -> dict[str, Any]:
         "paths": {
             "/v1/completions": _generation("CompletionRequest"),
             "/v1/chat/completions": _generation("ChatCompletionRequest"),
+            "/v1/embeddings": _generation("EmbeddingsRequest", "pooled, normalized embeddings (embeddings models)", False),
+            "/completion": _generation("NativeCompletionRequest", "llama-server's native completion, with timings"),
+            "/tokenize": _generation("TokenizeRequest", "token ids (with their pieces when asked)", False),
+            "/detokenize": _generation("DetokenizeRequest", "the text of token ids", False),
+            "/apply-template": _generation("ApplyTemplateRequest", "the prompt the chat template renders", False),
             "/v1/models": _get("every configured model with its status (loaded, loading, sleeping, unloading, failed)",
                                401, 403),
             "/health": {"get": {"responses": {"200": {"description": "ok", "content": {_JSON: {"schema": {}}}},

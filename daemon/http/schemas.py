@@ -28,6 +28,10 @@ MAX_LOGIT_BIAS = 1024
 MAX_MESSAGES = 4096
 MAX_CONTENT_PARTS = 1024  # per message
 MAX_PROMPT_TOKENS = 1_048_576  # token ids in one prompt when no ctx_size is given
+MAX_TOOLS = 128
+MAX_TOOL_CALLS = 128  # in one assistant message sent back
+MAX_TOP_LOGPROBS = 20  # as OpenAI's
+MAX_CHOICES = 16  # n; also bounded by the model's slots
 
 # The constraints in the types document the bounds (OpenAPI); the "before"
 # validators below enforce them first, with messages that name the limit.
@@ -73,8 +77,8 @@ def decode_body(raw: bytes, model: type[BaseModel], max_prompt_tokens: int = MAX
             continue  # absent
         if name == "logit_bias":
             _logit_bias_bound(bytes(value))
-        elif name == "prompt":
-            _token_list_bound(bytes(value), max_prompt_tokens)
+        elif name in ("prompt", "tokens", "input"):
+            _token_list_bound(bytes(value), max_prompt_tokens, name)
         out[name] = msgspec.json.decode(value)
     return out
 
@@ -89,13 +93,13 @@ def _logit_bias_bound(raw: bytes) -> None:
         raise BodyError(f"logit_bias: at most {MAX_LOGIT_BIAS} entries (token id: bias), got {entries}", "logit_bias")
 
 
-def _token_list_bound(raw: bytes, limit: int) -> None:
+def _token_list_bound(raw: bytes, limit: int, name: str = "prompt") -> None:
     head = raw.lstrip()
     first = head[1:].lstrip()[:1]
     if head.startswith(b"[") and first and first in b"-0123456789":  # token ids, not a list of one string
         items = raw.count(b",") + 1
         if items > limit:
-            raise BodyError(f"prompt: at most {limit} prompt token ids (ctx_size), got {items}", "prompt")
+            raise BodyError(f"{name}: at most {limit} {name} token ids (ctx_size), got {items}", name)
 
 
 class StreamOptions(BaseModel):
@@ -120,8 +124,13 @@ class SamplingFields(BaseModel):
     repeat_last_n: int = Field(64, ge=-1, le=INT32_MAX, description="-1: the slot's context")
     logit_bias: Annotated[dict[str, float], Field(max_length=MAX_LOGIT_BIAS)] | None = None
     ignore_eos: bool = False
-    n: int = Field(1, ge=1, le=1, description="only 1 choice per request is supported")
+    n: int = Field(1, ge=1, le=MAX_CHOICES, description="choices from one prompt; at most the model's slots")
     user: str | None = None
+    response_format: dict[str, Any] | None = Field(
+        None, description='{"type": "text"}, {"type": "json_object"} or {"type": "json_schema", "json_schema": '
+                          '{"name", "schema", "strict"}}: enforced by a grammar on the sampler')
+    json_schema: dict[str, Any] | None = Field(None, description="llama-server's: the output matches this JSON schema")
+    grammar: str | None = Field(None, description="llama-server's: a GBNF grammar (root rule `root`) the output matches")
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -148,7 +157,7 @@ class SamplingFields(BaseModel):
                 raise ValueError(f"logit_bias for {key} must be within [-100, 100]")
         return value
 
-    def sampling(self, max_tokens: int) -> p.SamplingParams:
+    def sampling(self, max_tokens: int, grammar: str | None = None, logprobs: int | None = None) -> p.SamplingParams:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         return p.SamplingParams(
             max_tokens=max_tokens,
@@ -164,6 +173,8 @@ class SamplingFields(BaseModel):
             logit_bias={int(k): v for k, v in (self.logit_bias or {}).items()},
             stop=stop,
             ignore_eos=self.ignore_eos,
+            grammar=grammar,
+            logprobs=logprobs,
         )
 
     @property
@@ -175,7 +186,8 @@ class CompletionRequest(SamplingFields):
     prompt: str | Annotated[list[TokenId], Field(min_length=1)] | Annotated[list[str], Field(min_length=1, max_length=1)]
     max_tokens: int = Field(256, ge=1, le=1_000_000)
     echo: Literal[False] = False
-    logprobs: None = None
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS,
+                                 description="the chosen token's log-probability and this many most likely ones")
     best_of: Literal[1] | None = None
     suffix: None = None
 
@@ -246,12 +258,49 @@ def image_checker(max_pixels: int) -> Callable[[ImagePart], bytes]:
     return check
 
 
+class FunctionCallIn(BaseModel):
+    name: Annotated[str, Field(min_length=1, max_length=256)]
+    arguments: Annotated[str, Field(max_length=1_000_000)] = "{}"
+
+
+class ToolCallIn(BaseModel):
+    """An assistant's earlier call, sent back in the conversation."""
+
+    id: Annotated[str, Field(max_length=256)] = ""
+    type: Literal["function"] = "function"
+    function: FunctionCallIn
+
+
+class FunctionIn(BaseModel):
+    name: Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.\-]+$")]
+    description: Annotated[str, Field(max_length=65536)] = ""
+    parameters: dict[str, Any] = Field(default_factory=lambda: {"type": "object", "properties": {}})
+    strict: bool | None = None
+
+
+class ToolIn(BaseModel):
+    type: Literal["function"]
+    function: FunctionIn
+
+    def to_protocol(self) -> p.Tool:
+        f = self.function
+        return p.Tool(f.name, f.description, f.parameters)
+
+
 class ChatMessageIn(BaseModel):
     model_config = ConfigDict(extra="allow")
 
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | Annotated[list[Annotated[TextPart | ImagePart, Field(discriminator="type")]],
                              Field(max_length=MAX_CONTENT_PARTS)] | None = None
+    tool_calls: Annotated[list[ToolCallIn], Field(max_length=MAX_TOOL_CALLS)] | None = None
+    tool_call_id: Annotated[str, Field(max_length=256)] | None = None
+    name: Annotated[str, Field(max_length=256)] | None = None
+
+    @field_validator("tool_calls", mode="before")
+    @classmethod
+    def _calls(cls, value: Any) -> Any:
+        return _at_most(value, MAX_TOOL_CALLS, "tool calls in a message")
 
     @field_validator("content", mode="before")
     @classmethod
@@ -265,24 +314,46 @@ class ChatMessageIn(BaseModel):
 
     def to_protocol(self, image: Callable[[ImagePart], bytes]) -> p.ChatMessage:
         role = "system" if self.role == "developer" else self.role
+        calls = [p.ToolCall(c.id, c.function.name, c.function.arguments) for c in self.tool_calls or ()]
+        extra = {"tool_calls": calls, "tool_call_id": self.tool_call_id, "name": self.name}
         if self.content is None or isinstance(self.content, str):
-            return p.ChatMessage(role, self.content or "")
+            return p.ChatMessage(role, self.content or "", **extra)
         parts = []
         for part in self.content:
             if isinstance(part, TextPart):
                 parts.append(p.ChatPart("text", text=part.text))
             else:
                 parts.append(p.ChatPart("image", image=image(part)))
-        return p.ChatMessage(role, parts)
+        return p.ChatMessage(role, parts, **extra)
 
 
 class ChatCompletionRequest(SamplingFields):
     messages: Annotated[list[ChatMessageIn], Field(min_length=1, max_length=MAX_MESSAGES)]
     max_tokens: int | None = Field(None, ge=1, le=1_000_000)
     max_completion_tokens: int | None = Field(None, ge=1, le=1_000_000)
-    tools: None = Field(None, description="tool calling is not supported")
-    tool_choice: None = None
-    logprobs: Literal[False] | None = None
+    tools: Annotated[list[ToolIn], Field(max_length=MAX_TOOLS)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+
+    @field_validator("tools", mode="before")
+    @classmethod
+    def _tool_count(cls, value: Any) -> Any:
+        return _at_most(value, MAX_TOOLS, "tools")
+
+    @property
+    def wanted_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    @property
+    def tool_names(self) -> list[str]:
+        return [t.function.name for t in self.tools or ()]
+
+    @property
+    def calls_tools(self) -> bool:
+        """The output may hold tool calls to recognise."""
+        return bool(self.tools) and self.tool_choice != "none"
 
     @field_validator("messages", mode="before")
     @classmethod
@@ -308,3 +379,85 @@ def field_name(loc: tuple[Any, ...]) -> str:
     """'messages.0.content' from pydantic's error location."""
     return ".".join(str(part) for part in loc
                     if not str(part).startswith(("function-", "list[", "str", "int", "constrained-", "dict[")))
+
+
+# -- llama-server's extras and embeddings --------------------------------------
+
+MAX_EMBEDDING_INPUTS = 256
+
+
+def _prompt_limit(value: Any, info: ValidationInfo, what: str) -> Any:
+    return _at_most(value, (info.context or {}).get("max_prompt_tokens", MAX_PROMPT_TOKENS), what)
+
+
+class TokenizeRequest(BaseModel):
+    model: str | None = None
+    content: str
+    add_special: bool = False
+    with_pieces: bool = False
+
+
+class DetokenizeRequest(BaseModel):
+    model: str | None = None
+    tokens: list[TokenId]
+
+    @field_validator("tokens", mode="before")
+    @classmethod
+    def _size(cls, value: Any, info: ValidationInfo) -> Any:
+        return _prompt_limit(value, info, "token ids (ctx_size)")
+
+
+class ApplyTemplateRequest(BaseModel):
+    model: str | None = None
+    messages: Annotated[list[ChatMessageIn], Field(min_length=1, max_length=MAX_MESSAGES)]
+    tools: Annotated[list[ToolIn], Field(max_length=MAX_TOOLS)] | None = None
+
+    @field_validator("messages", mode="before")
+    @classmethod
+    def _message_count(cls, value: Any) -> Any:
+        return _at_most(value, MAX_MESSAGES, "messages")
+
+
+class NativeCompletionRequest(SamplingFields):
+    """llama-server's /completion: its names for the same sampling fields."""
+
+    prompt: str | Annotated[list[TokenId], Field(min_length=1)]
+    n_predict: int = Field(-1, ge=-1, le=1_000_000, description="-1: until the end of generation or of the slot's context")
+    cache_prompt: bool = Field(True, description="accepted; the prompt cache is always on")
+    n_probs: int = Field(0, ge=0, le=MAX_TOP_LOGPROBS, description="the most likely tokens at each position")
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _prompt_size(cls, value: Any, info: ValidationInfo) -> Any:
+        return _prompt_limit(value, info, "prompt token ids (ctx_size)")
+
+
+EmbeddingInput = (Annotated[str, Field(min_length=1)]
+                  | Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1, max_length=MAX_EMBEDDING_INPUTS)]
+                  | Annotated[list[TokenId], Field(min_length=1)]
+                  | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]],
+                              Field(min_length=1, max_length=MAX_EMBEDDING_INPUTS)])
+
+
+class EmbeddingsRequest(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    input: EmbeddingInput
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: None = Field(None, description="not supported: the model's own dimension is returned")
+    user: str | None = None
+
+    @field_validator("input", mode="before")
+    @classmethod
+    def _count(cls, value: Any, info: ValidationInfo) -> Any:
+        if isinstance(value, list) and value and isinstance(value[0], (str, list)):
+            return _at_most(value, MAX_EMBEDDING_INPUTS, "inputs")
+        return _prompt_limit(value, info, "token ids (ctx_size)")
+
+    def inputs(self) -> list[str | list[int]]:
+        if isinstance(self.input, str):
+            return [self.input]
+        if self.input and isinstance(self.input[0], int):
+            return [list(self.input)]
+        return list(self.input)

@@ -182,9 +182,19 @@ class Controller:
             self._fail(request_id, JobFailure(503, "shutting_down", "server is shutting down"))
         self.stopped.set()
 
-    def new_job(self, endpoint: str, params: p.SamplingParams, prompt=None, messages=None) -> Job:
-        request_id = f"{endpoint.split('.')[0][:4]}-{uuid.uuid4().hex[:24]}"
-        job = Job(p.Submit(request_id, params, prompt=prompt, messages=messages), endpoint)
+    def new_job(self, endpoint: str, params: p.SamplingParams, prompt=None, messages=None, tools=()) -> Job:
+        """A generation: answered by Tokens, then one Done."""
+        submit = p.Submit(_request_id(endpoint), params, prompt=prompt, messages=messages, tools=list(tools))
+        return self._accept(Job(submit, endpoint))
+
+    def new_query(self, endpoint: str, kind: str, **fields) -> Job:
+        """One-step work on the loaded model (tokenize, detokenize,
+        apply_template, embed), answered by one Answer. It wakes the model and
+        waits its turn like a generation: the state machine sees a request."""
+        return self._accept(Job(p.Query(_request_id(endpoint), kind, **fields), endpoint))
+
+    def _accept(self, job: Job) -> Job:
+        request_id = job.id
         job.cold = self.state is not ServerState.READY
         if self.closed:  # this model has stopped (others of the fleet may still be draining)
             job.put(JobFailure(503, "shutting_down", "server is shutting down", 1.0))
@@ -435,6 +445,8 @@ class Controller:
             kv_dir=str(self.kv_dir),
             kv_min_tokens=s.kv_cache_min_tokens,
             kv_disk_bytes=s.kv_cache_disk_bytes,
+            embeddings=s.embeddings,
+            pooling=s.pooling,
         )
 
     # -- from the worker ------------------------------------------------------------
@@ -453,6 +465,11 @@ class Controller:
                 self._account(job, message)
                 job.put(message)
             self.post(RequestFinished(message.request_id, ok=message.finish_reason in ("stop", "length")))
+        elif isinstance(message, p.Answer):
+            job = self.jobs.pop(message.request_id, None)
+            if job is not None:
+                job.put(message)
+            self.post(RequestFinished(message.request_id, ok=message.error is None))
         elif isinstance(message, p.SlotStates):
             self.slots = message.slots
             self.metrics.set_slots([s.state for s in message.slots])
@@ -585,7 +602,12 @@ class Controller:
         return max(0.0, self._idle_timer.when() - asyncio.get_running_loop().time())
 
 
-def _fingerprint(submit: p.Submit) -> bytes:
+def _request_id(endpoint: str) -> str:
+    return f"{endpoint.split('.')[0][:4]}-{uuid.uuid4().hex[:24]}"
+
+
+def _fingerprint(message: p.Submit | p.Query) -> bytes:
     """What a request asks for, without its id: the same request sent again
     has the same fingerprint."""
-    return hashlib.blake2b(msgspec.msgpack.encode((submit.params, submit.prompt, submit.messages)), digest_size=16).digest()
+    anonymous = msgspec.structs.replace(message, request_id="")
+    return hashlib.blake2b(msgspec.msgpack.encode(anonymous), digest_size=16).digest()

@@ -17,12 +17,12 @@ class JobFailure:
     retry_after: float | None = None
 
 
-Item = p.Tokens | p.Done | JobFailure
+Item = p.Tokens | p.Done | p.Answer | JobFailure
 
 
 @dataclass
 class Job:
-    submit: p.Submit
+    submit: p.Submit | p.Query  # a generation, or one-step work answered by one p.Answer
     endpoint: str
     accepted_at: float = field(default_factory=time.monotonic)
     cold: bool = False  # arrived while no worker was ready: its first token paid for a load
@@ -40,7 +40,7 @@ class Job:
     def put(self, item: Item) -> None:
         if isinstance(item, p.Tokens) and self.first_token_at is None:
             self.first_token_at = time.monotonic()
-        if isinstance(item, (p.Done, JobFailure)):
+        if isinstance(item, (p.Done, p.Answer, JobFailure)):
             self.finished = True
         self.items.put_nowait(item)
         self._placed.set()

@@ -108,6 +108,8 @@ def serve(channel: Channel, engine) -> bool:
                 engine.submit(message)
             elif isinstance(message, p.Cancel):
                 engine.cancel(message.request_id)
+            elif isinstance(message, p.Query):
+                engine.query(message)
             elif isinstance(message, p.Ping):
                 channel.send(p.Pong(message.seq))  # answered between steps: a stuck step goes unanswered
             message = channel.receive(block=False)

@@ -16,7 +16,7 @@ from collections import deque
 from typing import Callable
 
 from daemon import protocol as p
-from daemon.worker.chat import END_OF_TURN_MARKERS, ChatRenderer, ChatTemplateError, template_for
+from daemon.worker.chat import END_OF_TURN_MARKERS, ChatRenderer, ChatTemplateError, template_for, template_messages
 from daemon.worker.errors import RequestError
 from daemon.worker.llama_lib import llama
 from daemon.protocol import VERIFY_GROUP
@@ -64,6 +64,8 @@ class Engine:
                 self.saved = SavedPrompts(self.ctx, runtime.model, runtime.spec)
             except OSError as exc:  # the state directory is unreadable: serve without it
                 print(f"dormouse worker: saved prompt caches unavailable: {exc}", file=sys.stderr, flush=True)
+        self.embeddings_only = runtime.spec.embeddings
+        self.n_embd = llama.llama_model_n_embd(runtime.model)
         self.media = None
         if runtime.mmproj is not None:
             from daemon.worker.multimodal import MediaPrompts
@@ -86,6 +88,54 @@ class Engine:
                 self._finish(slot, "cancelled")
                 return
 
+    def query(self, msg: p.Query) -> None:
+        """One-step work, answered at once (between decode steps)."""
+        try:
+            answer = self._answer(msg)
+        except RequestError as exc:
+            answer = p.Answer(msg.request_id, error=str(exc), error_code=exc.code or "invalid_request")
+        except Exception as exc:  # noqa: BLE001 - a bug in one query fails that query only
+            answer = p.Answer(msg.request_id, error=f"internal error: {exc!r}", error_code="internal_error")
+        self.emit(answer)
+
+    def _answer(self, msg: p.Query) -> p.Answer:
+        n_ctx = llama.llama_n_ctx(self.ctx)
+        if msg.kind == "tokenize":
+            tokens = self.prompt_tokens_within(msg.text, n_ctx, msg.add_special, what="text")
+            pieces = [self.token_bytes(t, special=True) for t in tokens] if msg.with_pieces else []
+            return p.Answer(msg.request_id, tokens=tokens, pieces=pieces)
+        if msg.kind == "detokenize":
+            self._check_vocab(msg.tokens)
+            data = b"".join(self.token_bytes(t, special=True) for t in msg.tokens)
+            return p.Answer(msg.request_id, text=data.decode("utf-8", errors="replace"))
+        if msg.kind == "apply_template":
+            text, images = self.chat_prompt(msg)
+            if images:
+                raise RequestError("/apply-template renders text only: the messages have images")
+            return p.Answer(msg.request_id, text=text)
+        if msg.kind == "embed":
+            if not self.embeddings_only:
+                raise RequestError("this model was not loaded for embeddings: set embeddings = true in its settings "
+                                   "(or start with --embeddings)", "embeddings_not_enabled")
+            from daemon.worker.embeddings import embed
+
+            vectors, read = [], 0
+            for item in msg.inputs:
+                if isinstance(item, str):
+                    tokens = self.prompt_tokens_within(item, self.n_batch, what="an input")
+                else:
+                    self._check_vocab(item)
+                    tokens = list(item)
+                vectors.append(embed(self.ctx, self.batch, self.n_batch, self.n_embd, tokens))
+                read += len(tokens)
+            return p.Answer(msg.request_id, embeddings=vectors, prompt_tokens=read)
+        raise RequestError(f"unknown query kind {msg.kind!r}")
+
+    def _check_vocab(self, tokens: list[int]) -> None:
+        bad = [t for t in tokens if not 0 <= t < self.n_vocab]
+        if bad:
+            raise RequestError(f"token ids outside the vocabulary (0..{self.n_vocab - 1}): {bad[:5]}")
+
     @property
     def busy(self) -> bool:
         return bool(self.queue) or any(s.job is not None for s in self.slots)
@@ -103,7 +153,7 @@ class Engine:
             n = llama.llama_tokenize(self.vocab, data, len(data), buf, capacity, add_special, True)
         return list(buf[:n])
 
-    def prompt_tokens_within(self, text: str, limit: int) -> list[int]:
+    def prompt_tokens_within(self, text: str, limit: int, add_special: bool = True, what: str = "prompt") -> list[int]:
         """The prompt's tokens, refused once it is seen to exceed `limit` tokens.
 
         Tokenizing runs on the one thread that decodes every slot (a 6 MB
@@ -113,11 +163,11 @@ class Engine:
         text), and the work stays proportional to the context, not the body."""
         chars = max(4096, limit * 8)  # ~4 bytes a token in prose: usually one pass
         while chars < len(text):
-            if len(self.tokenize(text[:chars], add_special=True)) > limit + 1:  # +1: a split at the cut
-                raise RequestError(f"prompt has more than {limit} tokens; the context of a slot holds {self.n_ctx_slot}",
+            if len(self.tokenize(text[:chars], add_special=add_special)) > limit + 1:  # +1: a split at the cut
+                raise RequestError(f"{what} has more than {limit} tokens; the context of a slot holds {self.n_ctx_slot}",
                                    "context_length_exceeded")
             chars *= 2
-        return self.tokenize(text, add_special=True)
+        return self.tokenize(text, add_special=add_special)
 
     def token_bytes(self, token: int, special: bool = False) -> bytes:
         n = llama.llama_token_to_piece(self.vocab, token, self._piece, len(self._piece), 0, special)
@@ -138,9 +188,9 @@ class Engine:
     def token_text(self, token: int) -> str:
         return self.token_bytes(token, special=True).decode("utf-8", errors="replace") if token >= 0 else ""
 
-    def chat_prompt(self, msg: p.Submit) -> tuple[str, list[bytes]]:
+    def chat_prompt(self, msg: p.Submit | p.Query) -> tuple[str, list[bytes]]:
         """The rendered chat prompt, and the images in the order their markers appear."""
-        messages, images = [], []
+        contents, images = [], []
         for m in msg.messages:
             if isinstance(m.content, str):
                 content = m.content
@@ -154,9 +204,11 @@ class Engine:
                         content += self.media.marker
                     else:
                         content += part.text or ""
-            messages.append({"role": m.role, "content": content})
+            contents.append(content)
+        tools = [{"type": "function", "function": {"name": t.name, "description": t.description, "parameters": t.parameters}}
+                 for t in msg.tools]
         try:
-            text = self.chat.render(messages)
+            text = self.chat.render(template_messages(msg.messages, contents), tools=tools or None)
         except ChatTemplateError as exc:
             raise RequestError(str(exc)) from exc
         if self.add_bos and self.chat.bos_token and text.startswith(self.chat.bos_token):
@@ -166,9 +218,10 @@ class Engine:
     def prompt_tokens(self, msg: p.Submit) -> list[int]:
         """A completion's prompt as token ids (chat prompts go through chat_prompt)."""
         if isinstance(msg.prompt, list):
-            bad = [t for t in msg.prompt if not 0 <= t < self.n_vocab]
-            if bad:
-                raise RequestError(f"prompt has token ids outside the vocabulary (0..{self.n_vocab - 1}): {bad[:5]}")
+            try:
+                self._check_vocab(msg.prompt)
+            except RequestError as exc:
+                raise RequestError(f"prompt has {exc}") from None
             return list(msg.prompt)
         return self.prompt_tokens_within(msg.prompt or "", self.n_ctx_slot)
 
@@ -182,6 +235,8 @@ class Engine:
                 return
             msg = self.queue.popleft()
             try:
+                if self.embeddings_only:
+                    raise RequestError("this model serves embeddings only (embeddings = true): use /v1/embeddings")
                 if msg.messages is not None:
                     text, images = self.chat_prompt(msg)
                     if images:  # only possible with a projector: chat_prompt refuses them otherwise
@@ -197,7 +252,7 @@ class Engine:
                         f"prompt has {len(tokens)} tokens; the context of a slot holds {self.n_ctx_slot}",
                         "context_length_exceeded",
                     )
-                sampler = SamplerChain(msg.params, self.n_vocab, self.n_ctx_slot)
+                sampler = SamplerChain(msg.params, self.n_vocab, self.n_ctx_slot, self.vocab)
             except RequestError as exc:
                 self.emit(p.Done(msg.request_id, "error", error=str(exc), error_code=exc.code))
                 continue
@@ -225,7 +280,7 @@ class Engine:
             self.speculator.forget(slot)
         try:
             n_pos, n_tokens = self.media.evaluate(self.ctx, text, images, slot.id, self.n_batch, self.n_ctx_slot)
-            sampler = SamplerChain(msg.params, self.n_vocab, self.n_ctx_slot)
+            sampler = SamplerChain(msg.params, self.n_vocab, self.n_ctx_slot, self.vocab)
         except (MediaError, RequestError) as exc:
             llama.llama_memory_seq_rm(self.memory, slot.id, -1, -1)
             self.emit(p.Done(msg.request_id, "error", error=str(exc), error_code=exc.code))
@@ -362,7 +417,11 @@ class Engine:
         if slot.state is SlotState.PROCESSING_PROMPT:
             slot.move(SlotState.GENERATING)
             self._slots_changed = True
-        token = job.sampler.sample(self.ctx, index)
+        try:
+            token = job.sampler.sample(self.ctx, index)
+        except RequestError as exc:  # a grammar that allows nothing here: this request ends, no other
+            self._finish(slot, "error", error=str(exc), code=exc.code)
+            return None
         now = time.perf_counter()
         if job.first_token_at is None:
             job.first_token_at = now
@@ -372,7 +431,12 @@ class Engine:
             job.n_generated -= 1  # the end-of-generation token is not part of the answer
             self._finish(slot, "stop")
             return None
-        text = job.stops.feed(job.utf8.feed(self.token_bytes(token)))
+        piece = self.token_bytes(token)
+        if job.sampler.last_logprobs is not None:
+            chosen, top = job.sampler.last_logprobs
+            job.logprobs.append(p.TokenLogprob(token, piece, chosen,
+                                               [p.TopLogprob(t, self.token_bytes(t), lp) for t, lp in top]))
+        text = job.stops.feed(job.utf8.feed(piece))
         if text or job.n_generated == 1:
             first = job.n_generated == 1
             self.emit(
@@ -382,6 +446,7 @@ class Engine:
                     job.n_generated,
                     n_prompt_tokens=len(job.prompt) if first else 0,
                     n_cached_tokens=job.n_cached if first else 0,
+                    logprobs=self._take_logprobs(job),
                 )
             )
         if job.stops.stopped:
@@ -395,12 +460,17 @@ class Engine:
             return token
         return None
 
+    @staticmethod
+    def _take_logprobs(job: Job) -> list[p.TokenLogprob]:
+        taken, job.logprobs = job.logprobs, []
+        return taken
+
     def _finish(self, slot: Slot, reason: str, error: str | None = None, code: str | None = None) -> None:
         job = slot.job
         if reason in ("stop", "length"):
             tail = job.stops.feed(job.utf8.flush()) + job.stops.flush()
-            if tail:
-                self.emit(p.Tokens(job.request_id, tail, job.n_generated))
+            if tail or job.logprobs:
+                self.emit(p.Tokens(job.request_id, tail, job.n_generated, logprobs=self._take_logprobs(job)))
         now = time.perf_counter()
         first = job.first_token_at or now
         self.emit(

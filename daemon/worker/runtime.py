@@ -22,6 +22,7 @@ from daemon.worker.llama_lib import llama, mtmd
 from daemon.worker.memory import BufferLedger
 
 TEARDOWN_ORDER = ("draft_context", "draft_model", "context", "model", "mmproj", "backend")
+POOLING = {"mean": 1, "cls": 2, "last": 3}  # llama_pooling_type
 
 
 
@@ -129,6 +130,13 @@ class Runtime:
         params.n_threads = self.threads
         params.n_threads_batch = self.threads
         params.no_perf = True
+        if self.spec.embeddings and model is self.model:
+            # A pooled sequence must sit in one micro-batch: an input is read in
+            # one decode of at most batch_size tokens, and every token is an output.
+            params.embeddings = True
+            params.pooling_type = POOLING[self.spec.pooling]
+            params.n_batch = params.n_ubatch = self.spec.batch_size
+            params.n_outputs_max = self.spec.batch_size
         ctx = llama.llama_init_from_model(model, params)
         if not ctx:
             raise LoadError(f"cannot create {what} (n_ctx={n_ctx}): {self._last_error()}")

@@ -2,6 +2,17 @@
 logit bias, penalties, top-k, top-p, min-p, temperature, then the final draw
 (greedy at temperature 0, else a seeded distribution).
 
+A grammar (structured output, forced tool calls) is llama.cpp's grammar
+sampler, used as llama-server's common_sampler uses it: draw from the chain
+first, and only when the grammar refuses that token, draw again with the
+grammar applied to the whole vocabulary. Checking one token is cheap; masking
+262k candidates (Gemma 3's vocabulary) every step is not. Either way the token
+is one the grammar allows, or the request ends with an error: accepting a
+refused token makes llama.cpp throw across the C API, which kills the worker.
+
+Log-probabilities are the model's own (a log-softmax of the raw logits, before
+bias, penalties, temperature and truncation), as OpenAI's are.
+
 Every number is bounded to what it means before it reaches llama.cpp:
 llama.cpp allocates the penalty window (`repeat_last_n` tokens) up front and
 the logit-bias sampler scans its entries for every sampled token, so an
@@ -29,9 +40,24 @@ def check_logit_bias(logit_bias: dict[int, float], n_vocab: int) -> None:
         raise RequestError(f"logit_bias has token ids outside the vocabulary (0..{n_vocab - 1}): {bad[:5]}")
 
 
+class GrammarDeadEnd(RequestError):
+    """The grammar allows no token at this position."""
+
+
 class SamplerChain:
-    def __init__(self, params: SamplingParams, n_vocab: int, n_ctx_slot: int) -> None:
+    def __init__(self, params: SamplingParams, n_vocab: int, n_ctx_slot: int, vocab: ctypes.c_void_p | None = None) -> None:
         check_logit_bias(params.logit_bias, n_vocab)
+        self.n_vocab = n_vocab
+        self.top_logprobs = params.logprobs
+        self.last_logprobs: tuple[float, list[tuple[int, float]]] | None = None  # (chosen, top) of the last draw
+        self._grammar = None
+        self._candidates = None  # numpy records shared with llama.cpp, made on the first slow-path draw
+        if params.grammar is not None:
+            grammar = llama.llama_sampler_init_grammar(vocab, params.grammar.encode(), b"root")
+            if not grammar:  # llama.cpp printed the parse error to stderr (the daemon's log)
+                raise RequestError("grammar cannot be compiled (a GBNF syntax error, a missing rule or left "
+                                   "recursion; the worker's log has llama.cpp's message)", "invalid_grammar")
+            self._grammar = grammar
         self.seed = params.seed if params.seed is not None else secrets.randbits(32)
         chain = llama.llama_sampler_chain_init(llama.llama_sampler_chain_default_params())
         if chain is None:
@@ -68,12 +94,67 @@ class SamplerChain:
 
     def sample(self, ctx: ctypes.c_void_p, batch_index: int) -> int:
         """Draw from the logits at batch_index and accept the token."""
-        return llama.llama_sampler_sample(self._chain, ctx, batch_index)
+        if self._grammar is None and self.top_logprobs is None:
+            return llama.llama_sampler_sample(self._chain, ctx, batch_index)  # all in C
+        import numpy as np  # only requests with a grammar or logprobs pay for numpy
 
-    def accept(self, token: int) -> None:
+        pointer = llama.llama_get_logits_ith(ctx, batch_index)
+        logits = np.ctypeslib.as_array(pointer, shape=(self.n_vocab,))
+        token = self._draw(logits, with_grammar=False)
+        if self._grammar is not None and not self._grammar_allows(token, float(logits[token])):
+            token = self._draw(logits, with_grammar=True)
+        if self.top_logprobs is not None:
+            self.last_logprobs = _log_softmax_at(np, logits, token, self.top_logprobs)
         llama.llama_sampler_accept(self._chain, token)
+        if self._grammar is not None:
+            llama.llama_sampler_accept(self._grammar, token)
+        return token
+
+    def _draw(self, logits, with_grammar: bool) -> int:
+        """The chain over every candidate (the grammar's mask first when asked), as llama_sampler_sample does."""
+        import numpy as np
+
+        if self._candidates is None:
+            self._candidates = np.empty(self.n_vocab, dtype=[("id", np.int32), ("logit", np.float32), ("p", np.float32)])
+        cand = self._candidates
+        cand["id"] = np.arange(self.n_vocab, dtype=np.int32)  # again: samplers sort and cut the array in place
+        cand["logit"] = logits
+        cand["p"] = 0.0
+        array = llama.llama_token_data_array(
+            cand.ctypes.data_as(ctypes.POINTER(llama.llama_token_data)), self.n_vocab, -1, False)
+        if with_grammar:
+            llama.llama_sampler_apply(self._grammar, ctypes.byref(array))
+        llama.llama_sampler_apply(self._chain, ctypes.byref(array))
+        if not 0 <= array.selected < array.size:
+            raise GrammarDeadEnd("the sampler selected no token", "invalid_grammar")
+        chosen = array.data[array.selected]
+        if with_grammar and chosen.logit == float("-inf"):
+            raise GrammarDeadEnd("the grammar allows no token at this point of the output", "invalid_grammar")
+        return int(chosen.id)
+
+    def _grammar_allows(self, token: int, logit: float) -> bool:
+        one = (llama.llama_token_data * 1)(llama.llama_token_data(token, logit, 0.0))
+        array = llama.llama_token_data_array(one, 1, -1, False)
+        llama.llama_sampler_apply(self._grammar, ctypes.byref(array))
+        return one[0].logit != float("-inf")
 
     def free(self) -> None:
         if self._chain is not None:
             llama.llama_sampler_free(self._chain)
             self._chain = None
+        if self._grammar is not None:
+            llama.llama_sampler_free(self._grammar)
+            self._grammar = None
+
+
+def _log_softmax_at(np, logits, token: int, top: int) -> tuple[float, list[tuple[int, float]]]:
+    """log p(token) and the `top` most likely tokens with theirs, from raw logits."""
+    values = logits.astype(np.float64)
+    peak = values.max()
+    log_total = peak + np.log(np.exp(values - peak).sum())
+    best: list[tuple[int, float]] = []
+    if top > 0:
+        ids = np.argpartition(-values, top - 1)[:top]
+        ids = ids[np.argsort(-values[ids], kind="stable")]
+        best = [(int(i), float(values[i] - log_total)) for i in ids]
+    return float(values[token] - log_total), best

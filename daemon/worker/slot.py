@@ -35,6 +35,7 @@ class Job:
     restore_seconds: float = 0.0
     kv_lookup: str = ""
     kv_rejected: str | None = None
+    logprobs: list = field(default_factory=list)  # p.TokenLogprob of tokens not yet sent
 
     def __post_init__(self) -> None:
         self.stops = StopMatcher(self.params.stop)

@@ -30,6 +30,22 @@ def env_float(name: str, default: float) -> float:
     return float(os.environ.get(name, default))
 
 
+def fake_answer(query: p.Query) -> p.Answer:
+    """The real protocol's answers, on a fake vocabulary: a token per word
+    (its length), words back as "w<id>", one-dimensional unit embeddings."""
+    if query.kind == "tokenize":
+        words = query.text.split()
+        return p.Answer(query.request_id, tokens=[len(w) for w in words],
+                        pieces=[w.encode() for w in words] if query.with_pieces else [])
+    if query.kind == "detokenize":
+        return p.Answer(query.request_id, text=" ".join(f"w{t}" for t in query.tokens))
+    if query.kind == "apply_template":
+        return p.Answer(query.request_id, text="".join(f"{m.role}: {m.content}\n" for m in query.messages))
+    if query.kind == "embed":
+        return p.Answer(query.request_id, embeddings=[[1.0] for _ in query.inputs], prompt_tokens=len(query.inputs))
+    return p.Answer(query.request_id, error=f"unknown query kind {query.kind!r}", error_code="invalid_request")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--fd", type=int, required=True)
@@ -96,6 +112,8 @@ def main() -> int:
                     queued[message.request_id] = [message.params, 0]
             elif isinstance(message, p.Ping):
                 channel.send(p.Pong(message.seq))
+            elif isinstance(message, p.Query):
+                channel.send(fake_answer(message))
             elif isinstance(message, p.Cancel) and (message.request_id in active or message.request_id in queued):
                 active.pop(message.request_id, None) or queued.pop(message.request_id)
                 channel.send(p.Done(message.request_id, "cancelled"))

@@ -1,0 +1,158 @@
+"""What the OpenAI endpoints answer: whole bodies and stream chunks for
+/v1/completions and /v1/chat/completions, with usage, logprobs in OpenAI's two
+shapes, tool calls, and llama-server's `timings`.
+
+Nothing here waits or decides: openai_routes.py feeds a shape what the worker
+sent and writes what it returns.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from daemon import protocol as p
+
+_NO_USAGE: Any = object()  # the body has no "usage" key at all
+
+
+def usage(done: p.Done) -> dict[str, Any]:
+    return {
+        "prompt_tokens": done.prompt_tokens,
+        "completion_tokens": done.completion_tokens,
+        "total_tokens": done.prompt_tokens + done.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": done.cached_tokens},
+    }
+
+
+def timings(done: p.Done) -> dict[str, Any]:
+    """llama-server's timings object. prompt_n counts the tokens read (not the
+    ones the prompt cache held); the prompt time runs to the first token."""
+    prompt_n = max(done.prompt_tokens - done.cached_tokens, 0)
+    prompt_ms = done.prompt_seconds * 1000
+    predicted_n = done.completion_tokens
+    predicted_ms = done.generation_seconds * 1000
+    return {
+        "cache_n": done.cached_tokens,
+        "prompt_n": prompt_n,
+        "prompt_ms": round(prompt_ms, 3),
+        "prompt_per_token_ms": round(prompt_ms / prompt_n, 3) if prompt_n else 0.0,
+        "prompt_per_second": round(prompt_n / done.prompt_seconds, 3) if done.prompt_seconds > 0 else 0.0,
+        "predicted_n": predicted_n,
+        "predicted_ms": round(predicted_ms, 3),
+        "predicted_per_token_ms": round(predicted_ms / predicted_n, 3) if predicted_n else 0.0,
+        # The first token is counted in the prompt time, so the rate is over the ones after it.
+        "predicted_per_second": round((predicted_n - 1) / done.generation_seconds, 3)
+        if predicted_n > 1 and done.generation_seconds > 0 else 0.0,
+    }
+
+
+def _text(piece: bytes) -> str:
+    return piece.decode("utf-8", errors="replace")
+
+
+class _Shape:
+    """How one endpoint's responses look."""
+
+    def __init__(self, request_id: str, model: str, include_usage: bool = False, logprobs: bool = False) -> None:
+        self.id = request_id
+        self.model = model
+        self.created = int(time.time())
+        self.logprobs = logprobs
+        # As OpenAI's: with stream_options.include_usage every chunk carries
+        # "usage": null, and the last one (no choices) carries the usage.
+        self.chunk_usage = None if include_usage else _NO_USAGE
+
+    def envelope(self, object_name: str, choices: list[dict], usage: dict | None = _NO_USAGE,
+                 extra: dict | None = None) -> dict[str, Any]:
+        body: dict[str, Any] = {"id": self.id, "object": object_name, "created": self.created, "model": self.model,
+                                "choices": choices}
+        if usage is not _NO_USAGE:
+            body["usage"] = usage
+        if extra:
+            body.update(extra)
+        return body
+
+
+class CompletionShape(_Shape):
+    """text_completion; logprobs as the legacy completions API has them."""
+
+    object_name = "text_completion"
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._offset = 0  # characters of text before the next token (text_offset)
+
+    def logprobs_of(self, entries: list[p.TokenLogprob]) -> dict | None:
+        if not self.logprobs:
+            return None
+        out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for e in entries:
+            token = _text(e.piece)
+            out["tokens"].append(token)
+            out["token_logprobs"].append(e.logprob)
+            out["top_logprobs"].append({_text(t.piece): t.logprob for t in e.top})
+            out["text_offset"].append(self._offset)
+            self._offset += len(token)
+        return out
+
+    def final(self, text: str, reason: str, done: p.Done, logprobs: list[p.TokenLogprob]) -> dict:
+        choice = {"index": 0, "text": text, "logprobs": self.logprobs_of(logprobs), "finish_reason": reason}
+        return self.envelope(self.object_name, [choice], usage(done), {"timings": timings(done)})
+
+    def chunk(self, text: str, logprobs: list[p.TokenLogprob] = (), reason: str | None = None) -> dict:
+        choice = {"index": 0, "text": text, "logprobs": self.logprobs_of(list(logprobs)), "finish_reason": reason}
+        return self.envelope(self.object_name, [choice], self.chunk_usage)
+
+    def first_chunk(self) -> dict | None:
+        return None
+
+    def last_chunk(self, reason: str, done: p.Done) -> dict:
+        body = self.chunk("", reason=reason)
+        body["timings"] = timings(done)
+        return body
+
+    def usage_chunk(self, done: p.Done) -> dict:
+        return self.envelope(self.object_name, [], usage(done))
+
+
+class ChatShape(_Shape):
+    """chat.completion and its chunks; logprobs as the chat API has them."""
+
+    def logprobs_of(self, entries: list[p.TokenLogprob]) -> dict | None:
+        if not self.logprobs:
+            return None
+        return {"content": [{
+            "token": _text(e.piece), "logprob": e.logprob, "bytes": list(e.piece),
+            "top_logprobs": [{"token": _text(t.piece), "logprob": t.logprob, "bytes": list(t.piece)} for t in e.top],
+        } for e in entries], "refusal": None}
+
+    def final(self, text: str | None, reason: str, done: p.Done, logprobs: list[p.TokenLogprob],
+              tool_calls: list[dict] | None = None) -> dict:
+        message: dict[str, Any] = {"role": "assistant", "content": text}
+        if tool_calls:
+            message["tool_calls"] = tool_calls
+        choice = {"index": 0, "message": message, "logprobs": self.logprobs_of(logprobs), "finish_reason": reason}
+        return self.envelope("chat.completion", [choice], usage(done), {"timings": timings(done)})
+
+    def chunk(self, text: str | None, logprobs: list[p.TokenLogprob] = (), reason: str | None = None,
+              tool_calls: list[dict] | None = None) -> dict:
+        delta: dict[str, Any] = {} if text is None else {"content": text}
+        if tool_calls is not None:
+            delta["tool_calls"] = tool_calls
+        entries = list(logprobs)
+        choice = {"index": 0, "delta": delta, "logprobs": self.logprobs_of(entries) if entries else None,
+                  "finish_reason": reason}
+        return self.envelope("chat.completion.chunk", [choice], self.chunk_usage)
+
+    def first_chunk(self) -> dict | None:
+        return self.envelope("chat.completion.chunk", [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                                         "logprobs": None, "finish_reason": None}], self.chunk_usage)
+
+    def last_chunk(self, reason: str, done: p.Done) -> dict:
+        body = self.chunk(None, reason=reason)
+        body["timings"] = timings(done)
+        return body
+
+    def usage_chunk(self, done: p.Done) -> dict:
+        return self.envelope("chat.completion.chunk", [], usage(done))
