@@ -10,13 +10,20 @@ import datetime
 import os
 import platform
 
-from bench import fleet, hostile_crowd, idle_cpu, resume, throughput
+from bench import fleet, grammar, hostile_crowd, idle_cpu, resume, throughput
 from bench.common import ROOT
 
 DOCS = ROOT / "docs"
 # Sections after this line are measured by their own, longer commands (each
 # says which); `make bench` keeps them as they are.
 KEPT = "<!-- measured separately: make bench keeps what follows -->"
+GRAMMAR_ABOUT = """One greedy stream, 96 tokens inside a JSON string field, beside the same
+stream unconstrained, and llama-cpp-python's `Llama` with the same grammar
+(from its own converter) in the same run. Dormouse draws from the sampler
+chain first and applies the grammar to the whole vocabulary only when the
+grammar refuses that token (as llama-server's common_sampler does);
+llama-cpp-python masks all 262k candidates of Gemma 3's vocabulary at every
+step. Logprobs cost a log-softmax over the vocabulary per token (numpy)."""
 
 
 def plot(resume_data: dict, throughput_data: dict) -> None:
@@ -64,6 +71,7 @@ def main() -> None:
     idle_text, _ = idle_cpu.run()
     fleet_text, _ = fleet.run()
     crowd_text, _ = hostile_crowd.run()
+    grammar_text, _ = grammar.run()
     plot(resume_data, throughput_data)
     machine = f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}"
     doc = f"""# Benchmarks
@@ -110,6 +118,16 @@ here are noisy, so read the ratios. Regenerate everything with `make bench`
 
 ```
 {fleet_text}
+```
+
+## Structured output: decode speed under a JSON-schema grammar
+
+`.venv/bin/python -m bench.grammar`
+
+{GRAMMAR_ABOUT}
+
+```
+{grammar_text}
 ```
 
 ## One normal stream beside a hostile crowd

@@ -342,6 +342,13 @@ class ChatCompletionRequest(SamplingFields):
     def _tool_count(cls, value: Any) -> Any:
         return _at_most(value, MAX_TOOLS, "tools")
 
+    @field_validator("top_logprobs")
+    @classmethod
+    def _needs_logprobs(cls, value: int | None, info: ValidationInfo) -> int | None:
+        if value is not None and not info.data.get("logprobs"):
+            raise ValueError("top_logprobs needs logprobs: true")  # as OpenAI: never silently ignored
+        return value
+
     @property
     def wanted_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
