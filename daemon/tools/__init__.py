@@ -1,0 +1,1 @@
+"""Tool calling: recognising the calls in a model's output (parse)."""
