@@ -35,6 +35,8 @@ _FLAGS: list[tuple[str, dict[str, Any]]] = [
     ("--max-queued", {"type": int, "help": "requests accepted beyond the slots (default 128)"}),
     ("--api-key", {"help": "Bearer key required on /v1/*"}),
     ("--admin-key", {"help": "Bearer key required on /sleep and /wake"}),
+    ("--raw-grammar", {"action": "store_true", "help": "accept llama-server's raw GBNF `grammar` field (trusted clients "
+                                                       "only: a grammar can stall every slot)"}),
     ("--log-format", {"choices": ["auto", "console", "json"]}),
     ("--log-level", {"choices": ["debug", "info", "warning", "error"]}),
     ("--shutdown-timeout", {"type": float, "help": "seconds SIGTERM lets in-flight requests finish (default 30)"}),

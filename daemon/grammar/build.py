@@ -33,6 +33,8 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+from daemon.grammar.gbnf_check import GbnfRefused, check_gbnf
+
 MAX_SCHEMA_BYTES = 64 * 1024
 MAX_SCHEMA_DEPTH = 32
 MAX_GRAMMAR_TEXT_BYTES = 64 * 1024  # a raw `grammar` from the request
@@ -165,6 +167,10 @@ def _raw_grammar(grammar: Any) -> str:
         raise GrammarRefused(f"grammar is {size} bytes; at most {MAX_GRAMMAR_TEXT_BYTES} are accepted", "grammar")
     if not re.search(r"^[ \t]*root[ \t]*::=", grammar, re.MULTILINE):
         raise GrammarRefused("grammar must define the rule 'root' (root ::= ...)", "grammar")
+    try:
+        check_gbnf(grammar)
+    except GbnfRefused as exc:
+        raise GrammarRefused(f"grammar: {exc}", "grammar") from None
     return _checked_output(grammar, "grammar")
 
 

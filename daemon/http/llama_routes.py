@@ -123,7 +123,7 @@ _STOP_TYPES = {"stop": "eos", "length": "limit"}
 async def completion(request: web.Request) -> web.StreamResponse:
     """llama-server's /completion: `content` and `stop` instead of choices, and timings."""
     body = await parse_body(request, NativeCompletionRequest)
-    grammar = structured_grammar(body)
+    grammar = structured_grammar(request, body)
     model = generation_model(request, body)
     settings = model.controller.settings
     # -1: until the end of generation or of the slot's context (the worker stops there).

@@ -190,11 +190,16 @@ async def _stream(request: web.Request, job: Job, shape: _Shape, item, include_u
     return response
 
 
-def structured_grammar(body: SamplingFields, chat: ChatCompletionRequest | None = None) -> str | None:
+def structured_grammar(request: web.Request, body: SamplingFields, chat: ChatCompletionRequest | None = None) -> str | None:
     """The GBNF that enforces the body's response_format, json_schema, grammar
     or forced tool call; None when nothing is constrained. A constraint that
     cannot be enforced is a 400 naming it, never ignored."""
     from daemon.grammar.build import GrammarRefused, grammar_for
+
+    if body.grammar is not None and not request.app[SETTINGS].raw_grammar:
+        raise ApiError(400, "grammar: raw GBNF grammars are off on this server (raw_grammar = true turns them on for "
+                            "trusted clients: a GBNF grammar can stall every slot); json_schema and response_format "
+                            "are always available", "invalid_value", param="grammar")
 
     tools = [t.model_dump(exclude_none=True) for t in chat.tools] if chat is not None and chat.tools else None
     if chat is not None and chat.tool_choice not in (None, "none") and not tools:
@@ -220,7 +225,7 @@ def generation_model(request: web.Request, body: SamplingFields) -> FleetModel:
 
 async def completions(request: web.Request) -> web.StreamResponse:
     body = await parse_body(request, CompletionRequest)
-    grammar = structured_grammar(body)
+    grammar = structured_grammar(request, body)
     model = generation_model(request, body)
     params = body.sampling(body.max_tokens, grammar, body.logprobs)
     job = model.controller.new_job("completions", params, prompt=body.prompt_value())
@@ -235,7 +240,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         messages = body.protocol_messages(settings.max_images_per_request, settings.max_image_pixels)
     except ImageRefused as exc:
         raise ApiError(400, str(exc), exc.code, param="messages") from None
-    grammar = structured_grammar(body, chat=body)
+    grammar = structured_grammar(request, body, chat=body)
     model = generation_model(request, body)
     params = body.sampling(body.token_limit, grammar, body.wanted_logprobs)
     tools = [t.to_protocol() for t in body.tools or ()] if body.tool_choice != "none" else []

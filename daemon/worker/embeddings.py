@@ -16,13 +16,14 @@ from daemon.worker.errors import RequestError
 from daemon.worker.llama_lib import llama
 
 
-def embed(ctx: ctypes.c_void_p, batch, n_batch: int, n_embd: int, tokens: list[int]) -> list[float]:
-    """The L2-normalized pooled embedding of one tokenized input."""
+def embed(ctx: ctypes.c_void_p, batch, limit: int, n_embd: int, tokens: list[int]) -> list[float]:
+    """The L2-normalized pooled embedding of one tokenized input of at most
+    `limit` tokens (the batch size, and the context of one sequence)."""
     if not tokens:
-        raise RequestError("an input is empty")
-    if len(tokens) > n_batch:
-        raise RequestError(f"an input has {len(tokens)} tokens; an embeddings model reads at most {n_batch} "
-                           "(its batch_size) per input", "context_length_exceeded")
+        raise RequestError("it is empty")
+    if len(tokens) > limit:
+        raise RequestError(f"it has {len(tokens)} tokens; an embeddings model reads at most {limit} per input "
+                           "(its batch_size, within ctx_size / parallel)", "context_length_exceeded")
     memory = llama.llama_get_memory(ctx)
     llama.llama_memory_seq_rm(memory, 0, -1, -1)
     for i, token in enumerate(tokens):

@@ -13,6 +13,7 @@ import ctypes
 import sys
 import time
 from collections import deque
+from dataclasses import dataclass, field
 from typing import Callable
 
 from daemon import protocol as p
@@ -24,6 +25,15 @@ from daemon.worker.runtime import Runtime
 from daemon.worker.sampling import SamplerChain
 from daemon.worker.slot import Job, Slot, choose_slot
 from statemachine import SlotState
+
+
+@dataclass
+class EmbeddingWork:
+    """An embeddings request in progress: one vector per input, in order."""
+
+    msg: p.Query
+    vectors: list[list[float]] = field(default_factory=list)
+    read: int = 0  # tokens
 
 
 class Engine:
@@ -65,6 +75,7 @@ class Engine:
             except OSError as exc:  # the state directory is unreadable: serve without it
                 print(f"dormouse worker: saved prompt caches unavailable: {exc}", file=sys.stderr, flush=True)
         self.embeddings_only = runtime.spec.embeddings
+        self.embedding_work: deque[EmbeddingWork] = deque()
         self.n_embd = llama.llama_model_n_embd(runtime.model)
         self.media = None
         if runtime.mmproj is not None:
@@ -78,6 +89,11 @@ class Engine:
         self.queue.append(msg)
 
     def cancel(self, request_id: str) -> None:
+        for work in self.embedding_work:
+            if work.msg.request_id == request_id:
+                self.embedding_work.remove(work)
+                self.emit(p.Answer(request_id, error="cancelled", error_code="cancelled"))
+                return
         for i, msg in enumerate(self.queue):
             if msg.request_id == request_id:
                 del self.queue[i]
@@ -89,7 +105,11 @@ class Engine:
                 return
 
     def query(self, msg: p.Query) -> None:
-        """One-step work, answered at once (between decode steps)."""
+        """One-step work, answered at once (between decode steps); embeddings
+        are queued and computed one input per step."""
+        if msg.kind == "embed":
+            self._queue_embeddings(msg)
+            return
         try:
             answer = self._answer(msg)
         except RequestError as exc:
@@ -113,23 +133,40 @@ class Engine:
             if images:
                 raise RequestError("/apply-template renders text only: the messages have images")
             return p.Answer(msg.request_id, text=text)
-        if msg.kind == "embed":
-            if not self.embeddings_only:
-                raise RequestError("this model was not loaded for embeddings: set embeddings = true in its settings "
-                                   "(or start with --embeddings)", "embeddings_not_enabled")
-            from daemon.worker.embeddings import embed
-
-            vectors, read = [], 0
-            for item in msg.inputs:
-                if isinstance(item, str):
-                    tokens = self.prompt_tokens_within(item, self.n_batch, what="an input")
-                else:
-                    self._check_vocab(item)
-                    tokens = list(item)
-                vectors.append(embed(self.ctx, self.batch, self.n_batch, self.n_embd, tokens))
-                read += len(tokens)
-            return p.Answer(msg.request_id, embeddings=vectors, prompt_tokens=read)
         raise RequestError(f"unknown query kind {msg.kind!r}")
+
+    # -- embeddings: one input per step, so pings are answered between inputs --
+
+    def _queue_embeddings(self, msg: p.Query) -> None:
+        if not self.embeddings_only:
+            self.emit(p.Answer(msg.request_id, error="this model was not loaded for embeddings: set embeddings = true "
+                               "in its settings (or start with --embeddings)", error_code="embeddings_not_enabled"))
+            return
+        self.embedding_work.append(EmbeddingWork(msg))
+
+    def _embed_next(self) -> None:
+        """Embed the next input of the oldest embeddings request; answer it after its last."""
+        from daemon.worker.embeddings import embed
+
+        work = self.embedding_work[0]
+        item = work.msg.inputs[len(work.vectors)]
+        limit = min(self.n_batch, self.n_ctx_slot)  # one decode, within one sequence's context
+        try:
+            if isinstance(item, str):
+                tokens = self.prompt_tokens_within(item, limit, what="it")
+            else:
+                self._check_vocab(item)
+                tokens = list(item)
+            work.vectors.append(embed(self.ctx, self.batch, limit, self.n_embd, tokens))
+            work.read += len(tokens)
+        except RequestError as exc:
+            self.embedding_work.popleft()
+            self.emit(p.Answer(work.msg.request_id, error=f"input {len(work.vectors)}: {exc}",
+                               error_code=exc.code or "invalid_request"))
+            return
+        if len(work.vectors) == len(work.msg.inputs):
+            self.embedding_work.popleft()
+            self.emit(p.Answer(work.msg.request_id, embeddings=work.vectors, prompt_tokens=work.read))
 
     def _check_vocab(self, tokens: list[int]) -> None:
         bad = [t for t in tokens if not 0 <= t < self.n_vocab]
@@ -138,7 +175,7 @@ class Engine:
 
     @property
     def busy(self) -> bool:
-        return bool(self.queue) or any(s.job is not None for s in self.slots)
+        return bool(self.queue) or bool(self.embedding_work) or any(s.job is not None for s in self.slots)
 
     # -- tokens and text ------------------------------------------------------
 
@@ -321,6 +358,8 @@ class Engine:
         what a slot computes does not depend on its neighbours; the generating
         slots still share one decode (that is where batching pays).
         """
+        if self.embedding_work:  # an embeddings model: generation is refused, so nothing else waits
+            self._embed_next()
         self._admit()
         generating = [s for s in self.slots if s.state is SlotState.GENERATING and s.job.next_token is not None]
         if generating and self.speculator is not None:
@@ -517,6 +556,9 @@ class Engine:
         for msg in self.queue:
             self.emit(p.Done(msg.request_id, "cancelled"))
         self.queue.clear()
+        for work in self.embedding_work:
+            self.emit(p.Answer(work.msg.request_id, error="cancelled", error_code="cancelled"))
+        self.embedding_work.clear()
         llama.llama_batch_free(self.batch)
         if self.speculator is not None:
             self.speculator.close()

@@ -31,7 +31,7 @@ def daemon(tmp_path_factory, bundled_model):
     toml = write_toml(tmp / "fleet.toml", {"chat": {"path": bundled_model, "parallel": 4, "ctx_size": 4096},
                                            "embed": {"path": bundled_model, "embeddings": True, "parallel": 1,
                                                      "ctx_size": 1024}},
-                      threads=2, sleep_idle_seconds=-1, state_dir=str(tmp / "state"))
+                      threads=2, sleep_idle_seconds=-1, state_dir=str(tmp / "state"), raw_grammar=True)
     d = DaemonProcess("--config", str(toml), log_path=tmp / "daemon.log")
     d.wait_state("ready")
     yield d
@@ -256,6 +256,13 @@ def test_embeddings_from_the_second_model(client, daemon):
     assert [round(x, 5) for x in struct.unpack(f"<{len(raw) // 4}f", raw)] == [round(x, 5) for x in vectors[0]]
     r = daemon.http.post("/v1/embeddings", json={"model": "chat", "input": "x"})
     assert r.status_code == 400 and "embeddings = true" in r.json()["error"]["message"]
+    # Many inputs are read one per worker step (pings are answered between them): all come back, in order.
+    worker = daemon.http.get("/props", params={"model": "embed"}).json()["last_wake"]["worker_pid"]
+    many = client.embeddings.create(model="embed", input=[f"word {i}" for i in range(64)])
+    assert [d.index for d in many.data] == list(range(64)) and many.data[5].embedding != many.data[6].embedding
+    r = daemon.http.post("/v1/embeddings", json={"model": "embed", "input": ["fine", "x " * 2000]})
+    assert r.status_code == 400 and r.json()["error"]["message"].startswith("input 1:"), r.text
+    assert daemon.http.get("/props", params={"model": "embed"}).json()["last_wake"]["worker_pid"] == worker
     r = daemon.http.post("/v1/chat/completions", json={"model": "embed", "messages": ask("hi")})
     assert r.status_code == 400 and r.json()["error"]["code"] == "model_not_generative"
 

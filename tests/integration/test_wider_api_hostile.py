@@ -29,6 +29,11 @@ HOSTILE = [
     ("/v1/completions", {"prompt": "x", "json_schema": {"type": "integer", "minimum": 3}}, "json_schema"),
     ("/v1/completions", {"prompt": "x", "grammar": "root ::= \"a\"" + " " * 100_000}, "grammar"),
     ("/v1/completions", {"prompt": "x", "grammar": 5}, "grammar"),
+    # Found by review: each of these killed or hung the worker inside llama_sampler_init_grammar.
+    ("/v1/completions", {"prompt": "x", "grammar": "root ::= " + "(" * 20000 + '"a"' + ")" * 20000}, "grammar"),
+    ("/v1/completions", {"prompt": "x", "grammar": 'root ::= "a"{5,2}'}, "grammar"),
+    ("/v1/completions", {"prompt": "x", "grammar": 'root ::= "a"{0,100000}'}, "grammar"),
+    ("/v1/completions", {"prompt": "x", "grammar": "root ::= " + " ".join(["[a-z]?"] * 300)}, "grammar"),
     ("/v1/completions", {"prompt": "x", "grammar": "root ::= \"a\"", "json_schema": {"type": "string"}}, "grammar"),
     ("/v1/chat/completions", {"messages": ASK, "tools": [TOOL] * 129}, "tools"),
     ("/v1/chat/completions", {"messages": ASK, "tools": [{"type": "function", "function": {"name": "a b"}}]}, "tools"),
@@ -68,12 +73,23 @@ HOSTILE = [
 
 @pytest.mark.parametrize("path, body, param", HOSTILE, ids=[f"{p} {param} {i}" for i, (p, _, param) in enumerate(HOSTILE)])
 async def test_hostile_field_is_a_400_naming_it(path, body, param):
-    async with daemon(ctx_size=4096) as (controller, client):
+    async with daemon(ctx_size=4096, raw_grammar=True) as (controller, client):
         response = await client.post(path, json=body)
         error = await error_of(response, 400)
         assert (error["param"] or "").startswith(param), error
         ok = await client.post("/v1/completions", json={"prompt": "still here", "max_tokens": 2})
         assert ok.status == 200
+
+
+async def test_raw_grammar_is_off_unless_the_operator_turns_it_on():
+    body = {"prompt": "x", "grammar": 'root ::= "a"', "max_tokens": 2}
+    async with daemon() as (controller, client):
+        error = await error_of(await client.post("/v1/completions", json=body), 400)
+        assert error["param"] == "grammar" and "raw_grammar" in error["message"]
+        schema = {"prompt": "x", "json_schema": {"type": "string"}, "max_tokens": 2}
+        assert (await client.post("/v1/completions", json=schema)).status == 200  # schemas are always on
+    async with daemon(raw_grammar=True) as (controller, client):
+        assert (await client.post("/v1/completions", json=body)).status == 200
 
 
 @pytest.mark.parametrize("path", ["/v1/embeddings", "/tokenize", "/detokenize", "/apply-template", "/completion"])
