@@ -10,7 +10,7 @@ import datetime
 import os
 import platform
 
-from bench import fleet, grammar, hostile_crowd, idle_cpu, resume, throughput
+from bench import choices, fleet, grammar, hostile_crowd, idle_cpu, resume, throughput
 from bench.common import ROOT
 
 DOCS = ROOT / "docs"
@@ -72,6 +72,7 @@ def main() -> None:
     fleet_text, _ = fleet.run()
     crowd_text, _ = hostile_crowd.run()
     grammar_text, _ = grammar.run()
+    choices_text, _ = choices.run()
     plot(resume_data, throughput_data)
     machine = f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}"
     doc = f"""# Benchmarks
@@ -128,6 +129,14 @@ here are noisy, so read the ratios. Regenerate everything with `make bench`
 
 ```
 {grammar_text}
+```
+
+## n choices from one prompt
+
+`.venv/bin/python -m bench.choices`
+
+```
+{choices_text}
 ```
 
 ## One normal stream beside a hostile crowd

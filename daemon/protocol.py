@@ -140,6 +140,7 @@ class Submit(Message):
     prompt: str | list[int] | None = None  # completions
     messages: list[ChatMessage] | None = None  # chat completions
     tools: list[Tool] = []  # chat: given to the chat template (or described in a system turn)
+    n: int = 1  # choices: the prompt is decoded once and its KV copied to n - 1 more slots
 
 
 class Cancel(Message):
@@ -229,13 +230,17 @@ class Tokens(Message):
     n_prompt_tokens: int = 0  # set on the first Tokens of a request
     n_cached_tokens: int = 0
     logprobs: list[TokenLogprob] = []  # the tokens generated since the last Tokens (SamplingParams.logprobs)
+    index: int = 0  # the choice (Submit.n)
+    finish_reason: str | None = None  # with n > 1: this choice's last Tokens (stop, length); Done ends the request
 
 
 class Done(Message):
+    """The end of a request (of all its choices): one per Submit."""
+
     request_id: str
-    finish_reason: str  # stop, length, cancelled, error
+    finish_reason: str  # stop, length, cancelled, error (with n > 1: each choice's is on its last Tokens)
     prompt_tokens: int = 0
-    completion_tokens: int = 0
+    completion_tokens: int = 0  # all choices together
     cached_tokens: int = 0
     error: str | None = None
     error_code: str | None = None  # e.g. context_length_exceeded, invalid_request

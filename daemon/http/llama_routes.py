@@ -126,6 +126,9 @@ async def completion(request: web.Request) -> web.StreamResponse:
     grammar = structured_grammar(request, body)
     model = generation_model(request, body)
     settings = model.controller.settings
+    if body.n > 1:
+        raise ApiError(400, "n: /completion answers one completion (its answer has no choices); use /v1/completions",
+                       "invalid_value", param="n")
     # -1: until the end of generation or of the slot's context (the worker stops there).
     n_predict = body.n_predict if body.n_predict >= 0 else settings.ctx_size
     if n_predict == 0:

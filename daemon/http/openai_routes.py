@@ -82,16 +82,19 @@ async def _first_item(request: web.Request, model: FleetModel, job: Job):
                        "wake_timeout", retry_after=5) from None
 
 
-class Answer:
-    """What a generation produced, gathered for one JSON body."""
+class Choice:
+    """What one choice produced, gathered for a JSON body."""
 
     def __init__(self) -> None:
         self.parts: list[str] = []
         self.logprobs: list[p.TokenLogprob] = []
+        self.finish_reason: str | None = None  # from its last Tokens (n > 1) or the Done
 
     def add(self, tokens: p.Tokens) -> None:
         self.parts.append(tokens.text)
         self.logprobs.extend(tokens.logprobs)
+        if tokens.finish_reason is not None:
+            self.finish_reason = tokens.finish_reason
 
     @property
     def text(self) -> str:
@@ -116,17 +119,22 @@ async def run_job(request: web.Request, model: FleetModel, job: Job, shape: _Sha
             raise _failure_error(item)
         if stream:
             return await _stream(request, job, shape, item, include_usage, tool_names)
-        answer = Answer()
+        choices = [Choice() for _ in range(job.submit.n)]
         while isinstance(item, p.Tokens):
-            answer.add(item)
+            choices[item.index].add(item)
             item = await job.next(None)
         if _is_failure(item):
             raise _failure_error(item)
-        if tool_names is not None:
-            content, calls = parse_tool_calls(answer.text, tool_names)
-            reason = "tool_calls" if calls else item.finish_reason
-            return web.json_response(shape.final(content, reason, item, answer.logprobs, tool_calls_out(calls) or None))
-        return web.json_response(shape.final(answer.text, item.finish_reason, item, answer.logprobs))
+        out = []
+        for index, choice in enumerate(choices):
+            reason = choice.finish_reason or item.finish_reason
+            if tool_names is not None:
+                content, calls = parse_tool_calls(choice.text, tool_names)
+                out.append(shape.choice(index, content, "tool_calls" if calls else reason, choice.logprobs,
+                                        tool_calls_out(calls) or None))
+            else:
+                out.append(shape.choice(index, choice.text, reason, choice.logprobs))
+        return web.json_response(shape.final(out, item))
     except ApiError as exc:
         status, code = exc.status, exc.code
         raise
@@ -149,6 +157,25 @@ def record(request: web.Request, model: FleetModel, job: Job, status: int, code:
 _encode = msgspec.json.encode
 
 
+class StreamedChoice:
+    """One choice while it streams: text held back while it may be a tool
+    call, and the logprobs of that text."""
+
+    def __init__(self, index: int, tool_names: list[str] | None) -> None:
+        self.index = index
+        self.calls = ToolCallStream(tool_names) if tool_names is not None else None
+        self.pending: list[p.TokenLogprob] = []
+        self.finished = False
+
+    def feed(self, tokens: p.Tokens) -> str:
+        self.pending.extend(tokens.logprobs)
+        return self.calls.feed(tokens.text) if self.calls is not None else tokens.text
+
+    def take_logprobs(self) -> list[p.TokenLogprob]:
+        taken, self.pending = self.pending, []
+        return taken
+
+
 async def _stream(request: web.Request, job: Job, shape: _Shape, item, include_usage: bool,
                   tool_names: list[str] | None) -> web.StreamResponse:
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
@@ -158,31 +185,38 @@ async def _stream(request: web.Request, job: Job, shape: _Shape, item, include_u
     async def send(body: dict) -> None:
         await response.write(b"data: " + _encode(body) + b"\n\n")
 
-    first = shape.first_chunk()
-    if first is not None:
-        await send(first)
-    calls = ToolCallStream(tool_names) if tool_names is not None else None
-    pending: list[p.TokenLogprob] = []  # logprobs of text held back (a possible tool call)
+    async def finish(choice: StreamedChoice, reason: str, done: p.Done | None) -> None:
+        """The choice's held-back text, its tool calls as OpenAI streams them, its finish_reason."""
+        choice.finished = True
+        if choice.calls is not None:
+            rest, found = choice.calls.finish()
+            if rest or choice.pending:
+                await send(shape.chunk(rest, choice.take_logprobs(), index=choice.index))
+            if found:
+                for deltas in stream_deltas(found, [new_call_id() for _ in found]):
+                    await send(shape.chunk(None, tool_calls=deltas, index=choice.index))
+                reason = "tool_calls"
+        await send(shape.last_chunk(reason, done, index=choice.index))
+
+    choices = [StreamedChoice(i, tool_names) for i in range(job.submit.n)]
+    for choice in choices:
+        first = shape.first_chunk(index=choice.index)
+        if first is not None:
+            await send(first)
     while isinstance(item, p.Tokens):
-        pending.extend(item.logprobs)
-        text = calls.feed(item.text) if calls is not None else item.text
-        if text or (pending and calls is None):
-            await send(shape.chunk(text, pending))
-            pending = []
+        choice = choices[item.index]
+        text = choice.feed(item)
+        if text or (choice.pending and choice.calls is None):
+            await send(shape.chunk(text, choice.take_logprobs(), index=choice.index))
+        if item.finish_reason is not None:  # with n > 1, each choice ends on its own
+            await finish(choice, item.finish_reason, None)
         item = await job.next(None)
     if _is_failure(item):
         await send(_failure_error(item).body())
     else:
-        reason = item.finish_reason
-        if calls is not None:
-            rest, found = calls.finish()
-            if rest or pending:
-                await send(shape.chunk(rest, pending))
-            if found:
-                for deltas in stream_deltas(found, [new_call_id() for _ in found]):
-                    await send(shape.chunk(None, tool_calls=deltas))
-                reason = "tool_calls"
-        await send(shape.last_chunk(reason, item))
+        for choice in choices:
+            if not choice.finished:
+                await finish(choice, item.finish_reason, item)
         if include_usage:
             await send(shape.usage_chunk(item))
         await response.write(b"data: [DONE]\n\n")
@@ -217,9 +251,10 @@ def generation_model(request: web.Request, body: SamplingFields) -> FleetModel:
     if model.controller.settings.embeddings:
         raise ApiError(400, f"model {model.id!r} serves embeddings only (embeddings = true): use /v1/embeddings, or "
                             "name a model that generates text", "model_not_generative", param="model")
-    if body.n > 1:
-        raise ApiError(400, f"n: {body.n} choices were asked for; this server answers one choice per request",
-                       "invalid_value", param="n")
+    slots = model.controller.settings.parallel
+    if body.n > slots:
+        raise ApiError(400, f"n: {body.n} choices need {body.n} slots at once; model {model.id!r} has {slots} "
+                            "(parallel)", "invalid_value", param="n")
     return model
 
 
@@ -228,7 +263,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     grammar = structured_grammar(request, body)
     model = generation_model(request, body)
     params = body.sampling(body.max_tokens, grammar, body.logprobs)
-    job = model.controller.new_job("completions", params, prompt=body.prompt_value())
+    job = model.controller.new_job("completions", params, prompt=body.prompt_value(), n=body.n)
     shape = CompletionShape(f"cmpl-{job.id}", model.id, body.include_usage, logprobs=body.logprobs is not None)
     return await run_job(request, model, job, shape, body.stream, body.include_usage)
 
@@ -244,7 +279,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     model = generation_model(request, body)
     params = body.sampling(body.token_limit, grammar, body.wanted_logprobs)
     tools = [t.to_protocol() for t in body.tools or ()] if body.tool_choice != "none" else []
-    job = model.controller.new_job("chat.completions", params, messages=messages, tools=tools)
+    job = model.controller.new_job("chat.completions", params, messages=messages, tools=tools, n=body.n)
     shape = ChatShape(f"chatcmpl-{job.id}", model.id, body.include_usage, logprobs=body.logprobs)
     return await run_job(request, model, job, shape, body.stream, body.include_usage,
                          tool_names=body.tool_names if body.calls_tools else None)

@@ -81,9 +81,9 @@ class CompletionShape(_Shape):
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self._offset = 0  # characters of text before the next token (text_offset)
+        self._offsets: dict[int, int] = {}  # per choice: characters of text before its next token (text_offset)
 
-    def logprobs_of(self, entries: list[p.TokenLogprob]) -> dict | None:
+    def logprobs_of(self, entries: list[p.TokenLogprob], index: int = 0) -> dict | None:
         if not self.logprobs:
             return None
         out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
@@ -92,24 +92,28 @@ class CompletionShape(_Shape):
             out["tokens"].append(token)
             out["token_logprobs"].append(e.logprob)
             out["top_logprobs"].append({_text(t.piece): t.logprob for t in e.top})
-            out["text_offset"].append(self._offset)
-            self._offset += len(token)
+            out["text_offset"].append(self._offsets.get(index, 0))
+            self._offsets[index] = self._offsets.get(index, 0) + len(token)
         return out
 
-    def final(self, text: str, reason: str, done: p.Done, logprobs: list[p.TokenLogprob]) -> dict:
-        choice = {"index": 0, "text": text, "logprobs": self.logprobs_of(logprobs), "finish_reason": reason}
-        return self.envelope(self.object_name, [choice], usage(done), {"timings": timings(done)})
+    def choice(self, index: int, text: str, reason: str, logprobs: list[p.TokenLogprob]) -> dict:
+        return {"index": index, "text": text, "logprobs": self.logprobs_of(logprobs, index), "finish_reason": reason}
 
-    def chunk(self, text: str, logprobs: list[p.TokenLogprob] = (), reason: str | None = None) -> dict:
-        choice = {"index": 0, "text": text, "logprobs": self.logprobs_of(list(logprobs)), "finish_reason": reason}
+    def final(self, choices: list[dict], done: p.Done) -> dict:
+        return self.envelope(self.object_name, choices, usage(done), {"timings": timings(done)})
+
+    def chunk(self, text: str, logprobs: list[p.TokenLogprob] = (), reason: str | None = None, index: int = 0) -> dict:
+        choice = {"index": index, "text": text, "logprobs": self.logprobs_of(list(logprobs), index),
+                  "finish_reason": reason}
         return self.envelope(self.object_name, [choice], self.chunk_usage)
 
-    def first_chunk(self) -> dict | None:
+    def first_chunk(self, index: int = 0) -> dict | None:
         return None
 
-    def last_chunk(self, reason: str, done: p.Done) -> dict:
-        body = self.chunk("", reason=reason)
-        body["timings"] = timings(done)
+    def last_chunk(self, reason: str, done: p.Done | None, index: int = 0) -> dict:
+        body = self.chunk("", reason=reason, index=index)
+        if done is not None:
+            body["timings"] = timings(done)
         return body
 
     def usage_chunk(self, done: p.Done) -> dict:
@@ -127,31 +131,34 @@ class ChatShape(_Shape):
             "top_logprobs": [{"token": _text(t.piece), "logprob": t.logprob, "bytes": list(t.piece)} for t in e.top],
         } for e in entries], "refusal": None}
 
-    def final(self, text: str | None, reason: str, done: p.Done, logprobs: list[p.TokenLogprob],
-              tool_calls: list[dict] | None = None) -> dict:
+    def choice(self, index: int, text: str | None, reason: str, logprobs: list[p.TokenLogprob],
+               tool_calls: list[dict] | None = None) -> dict:
         message: dict[str, Any] = {"role": "assistant", "content": text}
         if tool_calls:
             message["tool_calls"] = tool_calls
-        choice = {"index": 0, "message": message, "logprobs": self.logprobs_of(logprobs), "finish_reason": reason}
-        return self.envelope("chat.completion", [choice], usage(done), {"timings": timings(done)})
+        return {"index": index, "message": message, "logprobs": self.logprobs_of(logprobs), "finish_reason": reason}
+
+    def final(self, choices: list[dict], done: p.Done) -> dict:
+        return self.envelope("chat.completion", choices, usage(done), {"timings": timings(done)})
 
     def chunk(self, text: str | None, logprobs: list[p.TokenLogprob] = (), reason: str | None = None,
-              tool_calls: list[dict] | None = None) -> dict:
+              tool_calls: list[dict] | None = None, index: int = 0) -> dict:
         delta: dict[str, Any] = {} if text is None else {"content": text}
         if tool_calls is not None:
             delta["tool_calls"] = tool_calls
         entries = list(logprobs)
-        choice = {"index": 0, "delta": delta, "logprobs": self.logprobs_of(entries) if entries else None,
+        choice = {"index": index, "delta": delta, "logprobs": self.logprobs_of(entries) if entries else None,
                   "finish_reason": reason}
         return self.envelope("chat.completion.chunk", [choice], self.chunk_usage)
 
-    def first_chunk(self) -> dict | None:
-        return self.envelope("chat.completion.chunk", [{"index": 0, "delta": {"role": "assistant", "content": ""},
+    def first_chunk(self, index: int = 0) -> dict | None:
+        return self.envelope("chat.completion.chunk", [{"index": index, "delta": {"role": "assistant", "content": ""},
                                                          "logprobs": None, "finish_reason": None}], self.chunk_usage)
 
-    def last_chunk(self, reason: str, done: p.Done) -> dict:
-        body = self.chunk(None, reason=reason)
-        body["timings"] = timings(done)
+    def last_chunk(self, reason: str, done: p.Done | None, index: int = 0) -> dict:
+        body = self.chunk(None, reason=reason, index=index)
+        if done is not None:
+            body["timings"] = timings(done)
         return body
 
     def usage_chunk(self, done: p.Done) -> dict:

@@ -182,9 +182,9 @@ class Controller:
             self._fail(request_id, JobFailure(503, "shutting_down", "server is shutting down"))
         self.stopped.set()
 
-    def new_job(self, endpoint: str, params: p.SamplingParams, prompt=None, messages=None, tools=()) -> Job:
-        """A generation: answered by Tokens, then one Done."""
-        submit = p.Submit(_request_id(endpoint), params, prompt=prompt, messages=messages, tools=list(tools))
+    def new_job(self, endpoint: str, params: p.SamplingParams, prompt=None, messages=None, tools=(), n: int = 1) -> Job:
+        """A generation: answered by Tokens (of n choices), then one Done."""
+        submit = p.Submit(_request_id(endpoint), params, prompt=prompt, messages=messages, tools=list(tools), n=n)
         return self._accept(Job(submit, endpoint))
 
     def new_query(self, endpoint: str, kind: str, **fields) -> Job:
@@ -483,7 +483,7 @@ class Controller:
         m.generated_tokens.inc(done.completion_tokens)
         m.draft_tokens.inc(done.drafted_tokens)
         m.accepted_tokens.inc(done.accepted_tokens)
-        if done.completion_tokens > 1 and done.generation_seconds > 0:
+        if done.completion_tokens > 1 and done.generation_seconds > 0 and job.submit.n == 1:  # n choices decode side by side
             m.inter_token_seconds.observe(done.generation_seconds / (done.completion_tokens - 1))
         if done.kv_lookup == "hit":
             m.kv_hits.inc()

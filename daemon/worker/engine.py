@@ -16,6 +16,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
+import msgspec
+
 from daemon import protocol as p
 from daemon.worker.chat import END_OF_TURN_MARKERS, ChatRenderer, ChatTemplateError, template_for, template_messages
 from daemon.worker.errors import RequestError
@@ -23,7 +25,7 @@ from daemon.worker.llama_lib import llama
 from daemon.protocol import VERIFY_GROUP
 from daemon.worker.runtime import Runtime
 from daemon.worker.sampling import SamplerChain
-from daemon.worker.slot import Job, Slot, choose_slot
+from daemon.worker.slot import Choices, Job, Slot, choose_slot
 from statemachine import SlotState
 
 
@@ -267,13 +269,15 @@ class Engine:
     def _admit(self) -> None:
         """Move queued requests onto idle slots, best cache match first."""
         while self.queue:
-            idle = [s for s in self.slots if s.job is None]
-            if not idle:
-                return
+            idle = [s for s in self.slots if s.job is None and s.reserved_for is None]
+            if not idle or len(idle) < min(self.queue[0].n, len(self.slots)):
+                return  # first in, first served: n choices wait for n slots
             msg = self.queue.popleft()
             try:
                 if self.embeddings_only:
                     raise RequestError("this model serves embeddings only (embeddings = true): use /v1/embeddings")
+                if msg.n > 1:
+                    self._check_choices(msg)
                 if msg.messages is not None:
                     text, images = self.chat_prompt(msg)
                     if images:  # only possible with a projector: chat_prompt refuses them otherwise
@@ -300,10 +304,48 @@ class Engine:
             restored = self.saved.restore(slot, tokens) if self.saved is not None else (0, 0.0, "", None)
             self._assign(slot, msg, tokens, sampler)
             job = slot.job
+            if msg.n > 1:  # the other choices' slots wait, least recently used first, for the prompt's KV
+                others = sorted((s for s in idle if s is not slot), key=lambda s: (s.last_used, s.id))[:msg.n - 1]
+                job.group = Choices(msg.n, job, others)
+                for other in others:
+                    other.reserved_for = job.group
             job.restored_tokens, job.restore_seconds, job.kv_lookup, job.kv_rejected = restored
             job.restored_tokens = min(job.restored_tokens, job.n_cached)  # the last token is decoded again
             if msg.messages is not None:
                 slot.job.end_tokens = self.end_of_turn
+
+    def _check_choices(self, msg: p.Submit) -> None:
+        if msg.n > len(self.slots):
+            raise RequestError(f"n: {msg.n} choices need {msg.n} slots; this model has {len(self.slots)} (parallel)")
+        if self.speculator is not None:
+            raise RequestError("n > 1 is not available with a draft model (each choice would need its own draft)")
+        if any(not isinstance(m.content, str) and any(part.type == "image" for part in m.content)
+               for m in msg.messages or ()):
+            raise RequestError("n > 1 is not available with images")
+
+    def _fork_choices(self, slot: Slot, index: int) -> None:
+        """The first choice's prompt is decoded: copy its KV to the reserved
+        slots and draw each other choice's first token from the same logits."""
+        job = slot.job
+        group = job.group
+        waiting, group.reserved = group.reserved, []  # taken first: a forked choice's own first token must not fork
+        for i, other in enumerate(waiting, start=1):
+            if group.ended:
+                break  # a choice failed at its first token: _end_choices freed the rest
+            llama.llama_memory_seq_rm(self.memory, other.id, -1, -1)
+            llama.llama_memory_seq_cp(self.memory, slot.id, other.id, -1, -1)
+            other.cache = list(slot.cache)
+            params = job.params if job.params.seed is None else msgspec.structs.replace(
+                job.params, seed=(job.params.seed + i) % 2**32)  # a set seed still gives n different choices
+            other.job = Job(job.request_id, job.prompt, params, SamplerChain(params, self.n_vocab, self.n_ctx_slot, self.vocab),
+                            n_prompt_done=len(job.prompt), index=i, group=group, started=job.started)
+            other.job.end_tokens = job.end_tokens
+            other.reserved_for = None
+            other.last_used = time.monotonic()
+            other.move(SlotState.STARTED)
+            other.move(SlotState.PROCESSING_PROMPT)
+            self._on_logits(other, index)
+        self._slots_changed = True
 
     def _assign_media(self, slot: Slot, msg: p.Submit, text: str, images: list[bytes]) -> None:
         """A prompt with images is decoded at once through mtmd; its image
@@ -456,6 +498,10 @@ class Engine:
         if slot.state is SlotState.PROCESSING_PROMPT:
             slot.move(SlotState.GENERATING)
             self._slots_changed = True
+            if job.group is not None and job.group.reserved:
+                self._fork_choices(slot, index)
+                if slot.job is not job:
+                    return None  # a choice failed at its first token, which ended the request
         try:
             token = job.sampler.sample(self.ctx, index)
         except RequestError as exc:  # a grammar that allows nothing here: this request ends, no other
@@ -486,6 +532,7 @@ class Engine:
                     n_prompt_tokens=len(job.prompt) if first else 0,
                     n_cached_tokens=job.n_cached if first else 0,
                     logprobs=self._take_logprobs(job),
+                    index=job.index,
                 )
             )
         if job.stops.stopped:
@@ -506,10 +553,42 @@ class Engine:
 
     def _finish(self, slot: Slot, reason: str, error: str | None = None, code: str | None = None) -> None:
         job = slot.job
+        group = job.group
         if reason in ("stop", "length"):
             tail = job.stops.feed(job.utf8.flush()) + job.stops.flush()
-            if tail or job.logprobs:
-                self.emit(p.Tokens(job.request_id, tail, job.n_generated, logprobs=self._take_logprobs(job)))
+            if tail or job.logprobs or group is not None:  # with n > 1 a choice's end is its own Tokens
+                self.emit(p.Tokens(job.request_id, tail, job.n_generated, logprobs=self._take_logprobs(job),
+                                   index=job.index, finish_reason=reason if group is not None else None))
+        job.sampler.free()  # a sampled token that was never decoded is simply not in the cache
+        slot.job = None
+        slot.move(SlotState.IDLE)
+        self._slots_changed = True
+        if group is None:
+            self._done(job, reason, job.n_generated, error, code)
+            return
+        group.open -= 1
+        group.completion_tokens += job.n_generated
+        if reason in ("stop", "length") and group.open > 0:
+            return  # the other choices go on
+        if not group.ended:
+            group.ended = True
+            if reason not in ("stop", "length"):  # one choice failed or was cancelled: the request ends
+                self._end_choices(group)
+            self._done(group.first, reason, group.completion_tokens, error, code)
+
+    def _end_choices(self, group: Choices) -> None:
+        """Free every slot still working or waiting for this request, without a word (its Done follows)."""
+        for other in self.slots:
+            if other.reserved_for is group:
+                other.reserved_for = None
+            if other.job is not None and other.job.group is group:
+                other.job.sampler.free()
+                other.job = None
+                other.move(SlotState.IDLE)
+        group.reserved = []
+        self._slots_changed = True
+
+    def _done(self, job: Job, reason: str, completion_tokens: int, error: str | None, code: str | None) -> None:
         now = time.perf_counter()
         first = job.first_token_at or now
         self.emit(
@@ -517,7 +596,7 @@ class Engine:
                 job.request_id,
                 reason,
                 prompt_tokens=len(job.prompt),
-                completion_tokens=job.n_generated,
+                completion_tokens=completion_tokens,
                 cached_tokens=job.n_cached,
                 error=error,
                 error_code=code,
@@ -531,10 +610,6 @@ class Engine:
                 kv_rejected=job.kv_rejected,
             )
         )
-        job.sampler.free()  # a sampled token that was never decoded is simply not in the cache
-        slot.job = None
-        slot.move(SlotState.IDLE)
-        self._slots_changed = True
 
     def report_slots(self) -> None:
         if not self._slots_changed:

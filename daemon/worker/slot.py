@@ -36,9 +36,32 @@ class Job:
     kv_lookup: str = ""
     kv_rejected: str | None = None
     logprobs: list = field(default_factory=list)  # p.TokenLogprob of tokens not yet sent
+    index: int = 0  # the choice, with n > 1
+    group: "Choices | None" = None  # with n > 1: the request's choices
+
+    @property
+    def n(self) -> int:
+        return self.group.n if self.group is not None else 1
 
     def __post_init__(self) -> None:
         self.stops = StopMatcher(self.params.stop)
+
+
+@dataclass
+class Choices:
+    """A request with n > 1 choices: its first choice decodes the prompt, the
+    others wait on reserved slots and receive a copy of its KV cache when the
+    prompt is done. One Done ends them all."""
+
+    n: int
+    first: Job
+    reserved: list["Slot"]  # slots of choices 1..n-1, until they are forked
+    open: int = 0  # choices not yet finished
+    completion_tokens: int = 0
+    ended: bool = False
+
+    def __post_init__(self) -> None:
+        self.open = self.n
 
 
 class Slot:
@@ -47,6 +70,7 @@ class Slot:
         self.state = SlotState.IDLE
         self.cache: list[int] = []  # tokens whose K/V this sequence holds, in order
         self.job: Job | None = None
+        self.reserved_for: Choices | None = None  # held for a choice that waits for its prompt's KV
         self.last_used = 0.0  # monotonic time its last request started; 0: never used
 
     def move(self, new: SlotState) -> None:

@@ -310,3 +310,29 @@ def test_langchain_structured_output_and_bound_tools(daemon):
     reply = llm.bind_tools([WEATHER], tool_choice="get_weather").invoke("What is the weather in Oslo?")
     (call,) = reply.tool_calls
     assert call["name"] == "get_weather" and call["args"]["unit"] in ("celsius", "fahrenheit")
+
+
+# -- n choices -------------------------------------------------------------------------
+
+def test_n_choices_share_one_prompt(client, daemon):
+    """Greedy, every choice is the single answer token for token (each choice's KV is a copy of
+    the one prompt decode, and generating slots decode side by side without changing logits);
+    sampled with a seed, the choices differ from each other."""
+    prompt = "The old lighthouse keeper looked at the sea and"
+    single = client.completions.create(model="chat", prompt=prompt, max_tokens=24, temperature=0)
+    greedy = client.completions.create(model="chat", prompt=prompt, max_tokens=24, temperature=0, n=3)
+    assert [c.index for c in greedy.choices] == [0, 1, 2]
+    assert {c.text for c in greedy.choices} == {single.choices[0].text}
+    assert greedy.usage.completion_tokens == 3 * single.usage.completion_tokens
+    assert greedy.usage.prompt_tokens == single.usage.prompt_tokens  # one prompt, counted once
+    sampled = client.chat.completions.create(model="chat", messages=ask("Name a colour."), max_tokens=12,
+                                             temperature=1.0, seed=7, n=4)
+    texts = [c.message.content for c in sampled.choices]
+    assert len(texts) == 4 and len(set(texts)) > 1, texts  # a seed per choice (seed + index): not 4 copies
+    streamed: dict[int, str] = {}
+    for chunk in client.completions.create(model="chat", prompt=prompt, max_tokens=24, temperature=0, n=2, stream=True):
+        for c in chunk.choices:
+            streamed[c.index] = streamed.get(c.index, "") + c.text
+    assert streamed == {0: single.choices[0].text, 1: single.choices[0].text}
+    r = daemon.http.post("/v1/completions", json={"model": "chat", "prompt": "x", "n": 5})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "n"  # 4 slots

@@ -109,7 +109,7 @@ def main() -> int:
                 if message.prompt == "FAIL":
                     channel.send(p.Done(message.request_id, "error", error="prompt too long", error_code="context_length_exceeded"))
                 else:
-                    queued[message.request_id] = [message.params, 0]
+                    queued[message.request_id] = [message.params, 0, message.n]
             elif isinstance(message, p.Ping):
                 channel.send(p.Pong(message.seq))
             elif isinstance(message, p.Query):
@@ -122,8 +122,10 @@ def main() -> int:
             continue  # a submit goes onto a slot at the top of the loop
         time.sleep(step)
         for rid, state in list(active.items()):
-            params, n = state
-            channel.send(p.Tokens(rid, f"t{n} ", n + 1, n_prompt_tokens=3 if n == 0 else 0))
+            params, n, choices = state
+            for index in range(choices):  # choice i writes "c<i>t<n> " when there are several
+                text = f"c{index}t{n} " if choices > 1 else f"t{n} "
+                channel.send(p.Tokens(rid, text, n + 1, n_prompt_tokens=3 if n == 0 else 0, index=index))
             state[1] = n + 1
             emitted_total += 1
             if crash_after and emitted_total >= crash_after:
@@ -132,7 +134,10 @@ def main() -> int:
                 os.kill(os.getpid(), signal.SIGSTOP)  # hung, not dead: only the liveness check notices
             if state[1] >= min(params.max_tokens, spec.ctx_size // spec.parallel):  # the slot's context is full
                 del active[rid]
-                channel.send(p.Done(rid, "length", prompt_tokens=3, completion_tokens=state[1]))
+                if choices > 1:  # each choice's end, then the request's
+                    for index in range(choices):
+                        channel.send(p.Tokens(rid, "", state[1], index=index, finish_reason="length"))
+                channel.send(p.Done(rid, "length", prompt_tokens=3, completion_tokens=state[1] * choices))
 
 
 if __name__ == "__main__":

@@ -179,7 +179,7 @@ async def test_admin_key_and_api_key():
         ({"prompt": 5}, "prompt"),
         ({"max_tokens": 3}, "prompt"),
         ({"prompt": "x", "temperature": -1}, "temperature"),
-        ({"prompt": "x", "n": 2}, "n"),
+        ({"prompt": "x", "n": 17}, "n"),
         ({"prompt": "x", "stop": 3}, "stop"),
         ({"prompt": "x", "logit_bias": {"abc": 1}}, "logit_bias"),
     ],

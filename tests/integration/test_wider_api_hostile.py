@@ -50,7 +50,8 @@ HOSTILE = [
     ("/v1/chat/completions", {"messages": ASK, "top_logprobs": 3}, "top_logprobs"),
     ("/v1/completions", {"prompt": "x", "logprobs": -1}, "logprobs"),
     ("/v1/completions", {"prompt": "x", "logprobs": 10**9}, "logprobs"),
-    ("/v1/completions", {"prompt": "x", "n": 2}, "n"),
+    ("/v1/completions", {"prompt": "x", "n": 5}, "n"),  # more choices than the 4 slots
+    ("/completion", {"prompt": "x", "n": 2}, "n"),
     ("/v1/completions", {"prompt": "x", "n": 0}, "n"),
     ("/v1/embeddings", {"input": []}, "input"),
     ("/v1/embeddings", {"input": ["x"] * 257}, "input"),
@@ -137,3 +138,24 @@ async def test_embeddings_model_answers_embeddings_and_refuses_generation():
         assert [d["index"] for d in body["data"]] == [0, 1] and body["usage"]["prompt_tokens"] == 2
         r = await client.post("/v1/chat/completions", json={"messages": ASK})
         assert (await error_of(r, 400))["code"] == "model_not_generative"
+
+
+async def test_n_choices_come_back_as_n_choices_streamed_and_not():
+    """The worker protocol's choices (Tokens.index, each choice's finish_reason) become OpenAI's choices."""
+    async with daemon() as (controller, client):
+        r = await client.post("/v1/chat/completions", json={"messages": ASK, "n": 3, "max_tokens": 2})
+        body = await r.json()
+        assert [c["index"] for c in body["choices"]] == [0, 1, 2]
+        assert [c["message"]["content"] for c in body["choices"]] == [f"c{i}t0 c{i}t1 " for i in range(3)]
+        assert all(c["finish_reason"] == "length" for c in body["choices"]) and body["usage"]["completion_tokens"] == 6
+        r = await client.post("/v1/completions", json={"prompt": "x", "n": 2, "max_tokens": 2, "stream": True})
+        texts, reasons = {0: "", 1: ""}, {}
+        for line in (await r.text()).splitlines():
+            if line.startswith("data: {"):
+                import json
+
+                for c in json.loads(line[6:])["choices"]:
+                    texts[c["index"]] += c["text"]
+                    if c["finish_reason"]:
+                        reasons[c["index"]] = c["finish_reason"]
+        assert texts == {0: "c0t0 c0t1 ", 1: "c1t0 c1t1 "} and reasons == {0: "length", 1: "length"}
