@@ -81,7 +81,7 @@ def add_footprints(plans: list[ModelPlan], store: FootprintStore | None, log=Non
         try:
             plan.predicted = predict(plan.model_path, ctx_size=s.ctx_size, parallel=s.parallel, model_draft=s.model_draft,
                                      mmproj=s.mmproj, n_gpu_layers=s.n_gpu_layers, batch_size=s.batch_size,
-                                     draft_max=s.draft_max)
+                                     draft_max=s.draft_max, embeddings=s.embeddings)
         except (GgufError, ValueError, OSError) as exc:
             plan.predicted_error = str(exc)
             if log is not None:
@@ -90,7 +90,7 @@ def add_footprints(plans: list[ModelPlan], store: FootprintStore | None, log=Non
             try:
                 plan.key = footprint_key(plan.model_path, s.ctx_size, s.parallel, model_draft=s.model_draft,
                                          mmproj=s.mmproj, n_gpu_layers=s.n_gpu_layers, batch_size=s.batch_size,
-                                         draft_max=s.draft_max)
+                                         draft_max=s.draft_max, embeddings=s.embeddings)
             except OSError:
                 continue
             plan.measured = store.get(plan.key)

@@ -82,7 +82,8 @@ class ModelShape:
 
 def predict(model_path: str | Path, *, ctx_size: int, parallel: int, cache_type_k: str = "f16",
             cache_type_v: str = "f16", model_draft: str | Path | None = None, mmproj: str | Path | None = None,
-            n_gpu_layers: int = -1, batch_size: int = 512, draft_max: int = 16, swa_full: bool = True) -> Footprint:
+            n_gpu_layers: int = -1, batch_size: int = 512, draft_max: int = 16, swa_full: bool = True,
+            embeddings: bool = False) -> Footprint:
     """Predict what loading this configuration holds, in bytes. Raises GgufError for a
     file that is not a sound GGUF or lacks what sizing needs, ValueError for a bad setting.
 
@@ -99,9 +100,14 @@ def predict(model_path: str | Path, *, ctx_size: int, parallel: int, cache_type_
     # The worker's main context is created allowing logits for every drafted token
     # plus one per slot (llama.cpp reserves its compute graph for that many), but
     # asks for at most one per slot, or one verification group, per decode.
-    main = context_bytes(shape_of(header), **context,
-                         n_outputs_max=max(parallel, VERIFY_GROUP) if model_draft else parallel,
-                         output_rows=max(parallel, VERIFY_GROUP) if model_draft else parallel)
+    if embeddings:
+        # An embeddings context reads an input in one decode with every token an
+        # output (runtime.py): its graph and output buffer have room for a batch of them.
+        main = context_bytes(shape_of(header), **context, n_outputs_max=batch_size, output_rows=batch_size)
+    else:
+        main = context_bytes(shape_of(header), **context,
+                             n_outputs_max=max(parallel, VERIFY_GROUP) if model_draft else parallel,
+                             output_rows=max(parallel, VERIFY_GROUP) if model_draft else parallel)
     footprint = Footprint(model=weight_bytes(header), context=main)
     if model_draft:
         draft = read_header(model_draft)

@@ -256,6 +256,11 @@ def test_embeddings_from_the_second_model(client, daemon):
     assert [round(x, 5) for x in struct.unpack(f"<{len(raw) // 4}f", raw)] == [round(x, 5) for x in vectors[0]]
     r = daemon.http.post("/v1/embeddings", json={"model": "chat", "input": "x"})
     assert r.status_code == 400 and "embeddings = true" in r.json()["error"]["message"]
+    # The planner's prediction counts an embeddings context's room for a batch of outputs (a vocabulary-wide
+    # row each: ~0.5 GiB of compute buffer at load, as much again of output buffer once an input of
+    # batch_size tokens is read), never less than what the load holds.
+    footprint = {m["id"]: m["footprint_bytes"] for m in daemon.http.get("/v1/models").json()["data"]}["embed"]
+    assert footprint["measured"] and footprint["measured"] <= footprint["predicted"] <= 2 * footprint["measured"]
     # Many inputs are read one per worker step (pings are answered between them): all come back, in order.
     worker = daemon.http.get("/props", params={"model": "embed"}).json()["last_wake"]["worker_pid"]
     many = client.embeddings.create(model="embed", input=[f"word {i}" for i in range(64)])
