@@ -23,6 +23,9 @@ import re
 MAX_GROUP_DEPTH = 16
 MAX_QUANTIFIERS = 256
 MAX_REPEAT = 1000
+# {m,n} copies its element up to max(m, n) times: the characters of the
+# elements times their counts, summed, bound what the parser builds.
+MAX_EXPANDED_CHARS = 200_000
 
 _BRACES = re.compile(r"\{\s*(\d+)\s*(,\s*(\d*)\s*)?\}")
 
@@ -33,24 +36,27 @@ class GbnfRefused(ValueError):
 
 def check_gbnf(text: str) -> None:
     """Raise GbnfRefused when the text nests groups too deeply, repeats an
-    element more than MAX_REPEAT times or backwards, or has too many quantifiers."""
-    depth = quantifiers = 0
+    element more than MAX_REPEAT times, backwards, or into more than
+    MAX_EXPANDED_CHARS, or has more than MAX_QUANTIFIERS quantifiers."""
+    quantifiers = expanded = 0
+    groups: list[int] = []  # where each open group starts
+    element = 0  # where the last element (string, class, group, rule name) starts
     i, n = 0, len(text)
     while i < n:
         c = text[i]
         if c == '"' or c == "[":
+            element = i
             i = _skip_quoted(text, i, '"' if c == '"' else "]")
             continue
-        if c == "#":
-            end = text.find("\n", i)
-            i = n if end < 0 else end
+        if c == "#":  # llama.cpp ends a comment at \r as well as \n
+            i = _line_end(text, i)
             continue
         if c == "(":
-            depth += 1
-            if depth > MAX_GROUP_DEPTH:
+            groups.append(i)
+            if len(groups) > MAX_GROUP_DEPTH:
                 raise GbnfRefused(f"groups nest more than {MAX_GROUP_DEPTH} deep")
         elif c == ")":
-            depth -= 1
+            element = groups.pop() if groups else i
         elif c in "?*+":
             quantifiers += 1
         elif c == "{":
@@ -63,12 +69,23 @@ def check_gbnf(text: str) -> None:
                 raise GbnfRefused(f"a repetition {match[0]} repeats more than {MAX_REPEAT} times")
             if high is not None and high < low:
                 raise GbnfRefused(f"a repetition {match[0]} has its upper bound below its lower bound")
+            expanded += (i - element) * max(low, high or 0, 1)
+            if expanded > MAX_EXPANDED_CHARS:
+                raise GbnfRefused(f"repetitions expand to more than {MAX_EXPANDED_CHARS} characters of grammar")
             quantifiers += 1
             i = match.end()
-            continue
+        elif c.isalnum() or c in "-_":
+            if i == 0 or not (text[i - 1].isalnum() or text[i - 1] in "-_"):
+                element = i  # a rule name starts
         if quantifiers > MAX_QUANTIFIERS:
             raise GbnfRefused(f"more than {MAX_QUANTIFIERS} quantifiers (?, *, +, {{m,n}})")
-        i += 1
+        if c != "{":
+            i += 1
+
+
+def _line_end(text: str, start: int) -> int:
+    ends = [j for j in (text.find("\n", start), text.find("\r", start)) if j >= 0]
+    return min(ends) if ends else len(text)
 
 
 def _skip_quoted(text: str, start: int, close: str) -> int:
@@ -80,7 +97,7 @@ def _skip_quoted(text: str, start: int, close: str) -> int:
             continue
         if text[i] == close:
             return i + 1
-        if text[i] == "\n" and close == '"':
+        if text[i] in "\r\n" and close == '"':
             break
         i += 1
     raise GbnfRefused(f"an unterminated {'string' if close == chr(34) else 'character class'} at character {start}")

@@ -464,7 +464,7 @@ class Engine:
     def _decode(self, entries: list[tuple[Slot, int, bool]], handle_logits: bool = True) -> bool:
         """Decode (slot, token, wants logits) entries as one batch and handle the logits."""
         batch = self.batch
-        outputs: list[tuple[Slot, int]] = []
+        outputs: list[tuple[Slot, int, Job]] = []
         for n, (slot, token, logits) in enumerate(entries):
             batch.token[n] = token
             batch.pos[n] = len(slot.cache)
@@ -473,15 +473,16 @@ class Engine:
             batch.logits[n] = logits
             slot.cache.append(token)
             if logits:
-                outputs.append((slot, n))
+                outputs.append((slot, n, slot.job))
         batch.n_tokens = len(entries)
         rc = llama.llama_decode(self.ctx, batch)
         if rc != 0:
             self._decode_failed(rc, {slot for slot, _, _ in entries})
             return False
         if handle_logits:
-            for slot, index in outputs:
-                self._on_logits(slot, index)
+            for slot, index, job in outputs:
+                if slot.job is job:  # not ended meanwhile by another choice of its request failing
+                    self._on_logits(slot, index)
         return True
 
     def _decode_failed(self, rc: int, slots: set[Slot]) -> None:

@@ -118,6 +118,11 @@ def test_unenforceable_schema_and_broken_grammar_are_400_and_the_worker_lives(da
     assert r.status_code == 400, r.text
     r = daemon.http.post("/v1/completions", json={"model": "chat", "prompt": "x", "grammar": "root ::= root \"a\""})
     assert r.status_code == 400, r.text  # left recursion: llama.cpp refuses it
+    # A grammar with no way on after its first token, on two choices decoded in one batch: the first
+    # choice's dead end ends the request, and its sibling, ended with it, is not sampled (it was, once: a crash).
+    r = daemon.http.post("/v1/completions", json={"model": "chat", "prompt": "Say a:", "n": 2, "max_tokens": 5,
+                                                  "grammar": 'root ::= "a" "\\x00"'})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_grammar", r.text
     assert daemon.http.get("/props", params={"model": "chat"}).json()["last_wake"]["worker_pid"] == worker
     r = daemon.http.post("/v1/completions", json={"model": "chat", "prompt": "x", "max_tokens": 3,
                                                   "grammar": 'root ::= "yes" | "no"', "temperature": 0})

@@ -34,6 +34,12 @@ HOSTILE = [
     ("/v1/completions", {"prompt": "x", "grammar": 'root ::= "a"{5,2}'}, "grammar"),
     ("/v1/completions", {"prompt": "x", "grammar": 'root ::= "a"{0,100000}'}, "grammar"),
     ("/v1/completions", {"prompt": "x", "grammar": "root ::= " + " ".join(["[a-z]?"] * 300)}, "grammar"),
+    # ... and from the second review: a comment ended by \r hid the rest from the scan; repetitions expand.
+    ("/v1/completions", {"prompt": "x", "grammar": 'root ::= "a" # c\rx ::= "b"{5,2}'}, "grammar"),
+    ("/v1/completions", {"prompt": "x", "grammar": 'root ::= "a" # c\rx ::= ' + "(" * 30000 + '"a"' + ")" * 30000},
+     "grammar"),
+    ("/v1/completions", {"prompt": "x", "grammar": "root ::= " + '"a"{1000}' * 5000}, "grammar"),
+    ("/v1/completions", {"prompt": "x", "grammar": 'root ::= "' + "a" * 60000 + '"{1000}'}, "grammar"),
     ("/v1/completions", {"prompt": "x", "grammar": "root ::= \"a\"", "json_schema": {"type": "string"}}, "grammar"),
     ("/v1/chat/completions", {"messages": ASK, "tools": [TOOL] * 129}, "tools"),
     ("/v1/chat/completions", {"messages": ASK, "tools": [{"type": "function", "function": {"name": "a b"}}]}, "tools"),
