@@ -166,6 +166,7 @@ class StreamedChoice:
         self.calls = ToolCallStream(tool_names) if tool_names is not None else None
         self.pending: list[p.TokenLogprob] = []
         self.finished = False
+        self.reason: str | None = None  # from its last Tokens (n > 1)
 
     def feed(self, tokens: p.Tokens) -> str:
         self.pending.extend(tokens.logprobs)
@@ -208,15 +209,17 @@ async def _stream(request: web.Request, job: Job, shape: _Shape, item, include_u
         text = choice.feed(item)
         if text or (choice.pending and choice.calls is None):
             await send(shape.chunk(text, choice.take_logprobs(), index=choice.index))
-        if item.finish_reason is not None:  # with n > 1, each choice ends on its own
-            await finish(choice, item.finish_reason, None)
+        if item.finish_reason is not None:  # with n > 1, each choice ends on its own ...
+            choice.reason = item.finish_reason
+            if sum(not c.finished for c in choices) > 1:
+                await finish(choice, item.finish_reason, None)  # ... the last one with the Done's timings, below
         item = await job.next(None)
     if _is_failure(item):
         await send(_failure_error(item).body())
     else:
         for choice in choices:
             if not choice.finished:
-                await finish(choice, item.finish_reason, item)
+                await finish(choice, choice.reason or item.finish_reason, item)
         if include_usage:
             await send(shape.usage_chunk(item))
         await response.write(b"data: [DONE]\n\n")

@@ -337,8 +337,9 @@ class Engine:
             other.cache = list(slot.cache)
             params = job.params if job.params.seed is None else msgspec.structs.replace(
                 job.params, seed=(job.params.seed + i) % 2**32)  # a set seed still gives n different choices
-            other.job = Job(job.request_id, job.prompt, params, SamplerChain(params, self.n_vocab, self.n_ctx_slot, self.vocab),
-                            n_prompt_done=len(job.prompt), index=i, group=group, started=job.started)
+            sampler = SamplerChain(params, self.n_vocab, self.n_ctx_slot, self.vocab, grammar_of=job.sampler)
+            other.job = Job(job.request_id, job.prompt, params, sampler, n_prompt_done=len(job.prompt), index=i,
+                            group=group, started=job.started)
             other.job.end_tokens = job.end_tokens
             other.reserved_for = None
             other.last_used = time.monotonic()

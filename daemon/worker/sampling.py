@@ -45,14 +45,20 @@ class GrammarDeadEnd(RequestError):
 
 
 class SamplerChain:
-    def __init__(self, params: SamplingParams, n_vocab: int, n_ctx_slot: int, vocab: ctypes.c_void_p | None = None) -> None:
+    def __init__(self, params: SamplingParams, n_vocab: int, n_ctx_slot: int, vocab: ctypes.c_void_p | None = None,
+                 grammar_of: "SamplerChain | None" = None) -> None:
+        """grammar_of: another request's chain whose grammar has accepted
+        nothing yet (the first choice, at the fork of n choices): cloned
+        rather than parsed again."""
         check_logit_bias(params.logit_bias, n_vocab)
         self.n_vocab = n_vocab
         self.top_logprobs = params.logprobs
         self.last_logprobs: tuple[float, list[tuple[int, float]]] | None = None  # (chosen, top) of the last draw
         self._grammar = None
         self._candidates = None  # numpy records shared with llama.cpp, made on the first slow-path draw
-        if params.grammar is not None:
+        if params.grammar is not None and grammar_of is not None and grammar_of._grammar is not None:
+            self._grammar = llama.llama_sampler_clone(grammar_of._grammar)
+        elif params.grammar is not None:
             grammar = llama.llama_sampler_init_grammar(vocab, params.grammar.encode(), b"root")
             if not grammar:  # llama.cpp printed the parse error to stderr (the daemon's log)
                 raise RequestError("grammar cannot be compiled (a GBNF syntax error, a missing rule or left "

@@ -346,3 +346,9 @@ def test_n_choices_share_one_prompt(client, daemon):
     assert streamed == {0: single.choices[0].text, 1: single.choices[0].text}
     r = daemon.http.post("/v1/completions", json={"model": "chat", "prompt": "x", "n": 5})
     assert r.status_code == 400 and r.json()["error"]["param"] == "n"  # 4 slots
+    # The other choices' grammar is a clone of the first's, taken before it accepted anything.
+    structured = client.chat.completions.create(model="chat", messages=ask("Give me a JSON object about cats."),
+                                                response_format={"type": "json_object"}, temperature=0.7, seed=3,
+                                                max_tokens=200, frequency_penalty=1.0, n=3)
+    assert all(c.finish_reason == "stop" and isinstance(json.loads(c.message.content), dict)
+               for c in structured.choices), [c.message.content for c in structured.choices]

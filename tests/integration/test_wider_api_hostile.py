@@ -165,3 +165,5 @@ async def test_n_choices_come_back_as_n_choices_streamed_and_not():
                     if c["finish_reason"]:
                         reasons[c["index"]] = c["finish_reason"]
         assert texts == {0: "c0t0 c0t1 ", 1: "c1t0 c1t1 "} and reasons == {0: "length", 1: "length"}
+        timed = [line for line in (await r.text()).splitlines() if '"timings"' in line]
+        assert len(timed) == 1  # the last choice's last chunk carries the request's timings, as with one choice
