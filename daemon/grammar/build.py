@@ -10,7 +10,10 @@ Three steps:
    correctly: its `visit` takes the first matching branch and silently drops
    the other keywords of a schema (a `type` list drops `properties`, `$ref`
    drops its siblings, `allOf` keeps only the components' properties, numbers
-   ignore `minimum`...), so what reaches it must be unambiguous. Local `$ref`s
+   ignore `minimum`...), so what reaches it must be unambiguous. Integer
+   ranges (minimum/maximum, exclusive or not) reach it as an inclusive
+   `minimum`/`maximum` pair of ints, which the subclass below turns into a
+   digit-by-digit rule (`_integer_range_gbnf`). Local `$ref`s
    become names in one table; anything else (remote URLs, which the
    converter would fetch with `requests`) is refused.
 3. `_Converter` (a subclass of the converter, loaded by file path so that the
@@ -28,6 +31,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import json
+import math
 import re
 from pathlib import Path
 from types import ModuleType
@@ -45,6 +49,8 @@ MAX_PATTERN_CHARS = 1000
 MAX_PATTERN_GROUP_DEPTH = 16
 MAX_TOOLS = 128
 MAX_PARALLEL_TOOL_CALLS = 8
+MAX_INTEGER_BOUND = 2**53  # |minimum|, |maximum| on integers: exact as a double, 16 digits at most
+INTEGER_DIGITS = 16  # the converter's plain integer has at most 16 digits; an open range keeps that
 
 # Keywords that describe and constrain nothing.
 ANNOTATIONS = frozenset({
@@ -54,7 +60,8 @@ ANNOTATIONS = frozenset({
 CONTAINERS = frozenset({"$defs", "definitions"})  # hold schemas reached through $ref
 STRING_KEYWORDS = frozenset({"pattern", "format", "minLength", "maxLength", "contentEncoding",
                              "contentMediaType", "contentSchema"})
-NUMBER_KEYWORDS = frozenset({"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf"})
+RANGE_KEYWORDS = ("minimum", "exclusiveMinimum", "maximum", "exclusiveMaximum")
+NUMBER_KEYWORDS = frozenset({*RANGE_KEYWORDS, "multipleOf"})
 OBJECT_KEYWORDS = frozenset({"properties", "required", "additionalProperties", "minProperties", "maxProperties",
                              "patternProperties", "propertyNames", "dependentRequired", "dependentSchemas",
                              "dependencies", "unevaluatedProperties"})
@@ -407,8 +414,7 @@ class _SchemaWalk:
     def _typed(self, kind: str, schema: dict, path: str) -> dict:
         present = VOCABULARY[kind] & schema.keys()
         if kind in ("number", "integer") and present:
-            raise self.refuse(path, f"{', '.join(map(repr, sorted(present)))} on a {kind} is not enforced by the "
-                                    "grammar (only the type is)")
+            return self._numeric(kind, schema, present, path)
         if kind == "string":
             return self._string(schema, path)
         if kind == "object":
@@ -418,6 +424,52 @@ class _SchemaWalk:
         return {"type": kind}
 
     # -- per type --
+
+    def _numeric(self, kind: str, schema: dict, present: set[str], path: str) -> dict:
+        if "multipleOf" in present:
+            raise self.refuse(path, f"'multipleOf' on a {kind} is not enforced by the grammar (integers' minimum/"
+                                    "maximum/exclusiveMinimum/exclusiveMaximum are; numbers' ranges are not)")
+        if kind == "number":
+            raise self.refuse(path, f"{', '.join(map(repr, sorted(present)))} on a number is not enforced by the "
+                                    "grammar: ranges are enforced on integers (type 'integer'), not on numbers")
+        low, high = self._integer_range(schema, path)
+        return {"type": "integer", **({"minimum": low} if low is not None else {}),
+                **({"maximum": high} if high is not None else {})}
+
+    def _integer_range(self, schema: dict, path: str) -> tuple[int | None, int | None]:
+        """The inclusive integer bounds (None: open) that minimum/maximum and their
+        exclusive forms allow: JSON Schema 2020's numbers, or draft-4's boolean
+        flags on minimum/maximum. Fractional bounds are rounded inward."""
+        low: int | None = None
+        high: int | None = None
+        for key in RANGE_KEYWORDS:
+            if key not in schema:
+                continue
+            value, here = schema[key], f"{path}/{key}"
+            is_low = key in ("minimum", "exclusiveMinimum")
+            base, flag = ("minimum", "exclusiveMinimum") if is_low else ("maximum", "exclusiveMaximum")
+            if isinstance(value, bool):
+                if key == base:
+                    raise self.refuse(here, f"{key} must be a number")
+                if value and base not in schema:
+                    raise self.refuse(here, f"{key} true (the draft-4 form) needs {base}")
+                continue  # a draft-4 flag: read with its base
+            if not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise self.refuse(here, f"{key} must be a number")
+            if abs(value) > MAX_INTEGER_BOUND:
+                raise self.refuse(here, f"{key} is beyond ±2**53 ({MAX_INTEGER_BOUND}), the largest bound "
+                                        "the grammar enforces")
+            exclusive = key == flag or schema.get(flag) is True
+            if is_low:
+                bound = math.floor(value) + 1 if exclusive else math.ceil(value)
+                low = bound if low is None else max(low, bound)
+            else:
+                bound = math.ceil(value) - 1 if exclusive else math.floor(value)
+                high = bound if high is None else min(high, bound)
+        if low is not None and high is not None and low > high:
+            raise self.refuse(path, f"no integer is within the range (at least {low}, at most {high}): nothing "
+                                    "can match")
+        return low, high
 
     def _string(self, schema: dict, path: str) -> dict:
         unsupported = sorted({"contentEncoding", "contentMediaType", "contentSchema"} & schema.keys())
@@ -896,6 +948,94 @@ class _PatternTranslator:
         return low, high
 
 
+# -- integer ranges -------------------------------------------------------------------------
+
+
+def _integer_range_gbnf(low: int | None, high: int | None) -> str:
+    """A GBNF expression for exactly the JSON integers from `low` to `high`
+    (inclusive; None: open, up to INTEGER_DIGITS digits like the plain integer):
+    no leading zeros, no "-0", no "+", a sign only on negatives. Parenthesized
+    where it holds an alternation, so that a rule can follow it with " space"."""
+    top = 10**INTEGER_DIGITS - 1
+    branches = []
+    if low is None or low < 0:  # "-" and a magnitude from max(1, -high) to -low
+        least = 1 if high is None or high >= 0 else -high
+        branches.append(f'"-" {_grouped(_magnitudes(least, top if low is None else -low))}')
+    if high is None or high >= 0:
+        branches.append(_magnitudes(max(low or 0, 0), top if high is None else high))
+    return _grouped(" | ".join(branches))
+
+
+def _magnitudes(low: int, high: int) -> str:
+    """Decimal spellings (no leading zeros) of low..high, 0 <= low <= high: one
+    alternative per length, consecutive lengths whose every value is in range merged."""
+    pieces: list[str] = []
+    full: list[int] = []  # a run of lengths n, each whole (1-9 for n = 1): [1-9] then n-1 digits
+
+    def flush() -> None:
+        if full:
+            pieces.append(f"[1-9] {_digits(full[0] - 1, full[-1] - 1)}".rstrip())
+            full.clear()
+
+    for n in range(len(str(low)), len(str(high)) + 1):
+        first = low if n == len(str(low)) else 10 ** (n - 1)
+        last = high if n == len(str(high)) else 10**n - 1
+        if first == max(10 ** (n - 1), 1) and last == 10**n - 1:
+            full.append(n)
+            continue
+        flush()
+        pieces.append(_same_length(str(first), str(last)))
+    flush()
+    return " | ".join(pieces)
+
+
+def _same_length(low: str, high: str) -> str:
+    """The digit strings of one length from `low` to `high`: the common prefix,
+    then at the first differing digit d1 < d2: d1 and a tail >= low's, the digits
+    between and any tail, d2 and a tail <= high's (whole tails merged into the middle)."""
+    i = 0
+    while i < len(low) and low[i] == high[i]:
+        i += 1
+    prefix = f'"{low[:i]}"' if i else ""
+    if i == len(low):
+        return prefix
+    d1, d2, tail_low, tail_high = low[i], high[i], low[i + 1:], high[i + 1:]
+    k = len(tail_low)
+    low_whole, high_whole = tail_low == "0" * k, tail_high == "9" * k
+    alternatives = []
+    if not low_whole:
+        alternatives.append(_joined(f'"{d1}"', _same_length(tail_low, "9" * k)))
+    start, end = (d1 if low_whole else chr(ord(d1) + 1)), (d2 if high_whole else chr(ord(d2) - 1))
+    if start <= end:
+        middle = f'"{start}"' if start == end else f"[{start}-{end}]"
+        alternatives.append(f"{middle} {_digits(k, k)}".rstrip())
+    if not high_whole:
+        alternatives.append(_joined(f'"{d2}"', _same_length("0" * k, tail_high)))
+    rest = " | ".join(alternatives)
+    return _joined(prefix, rest) if prefix else rest
+
+
+def _joined(literal: str, rest: str) -> str:
+    """A literal followed by `rest` ("1" "2" -> "12")."""
+    head, _, tail = rest.partition(" ")
+    if re.fullmatch(r'"[0-9]+"', head) and " | " not in rest:
+        return f"{literal[:-1]}{head[1:]} {tail}".rstrip()
+    return f"{literal} {_grouped(rest)}"
+
+
+def _digits(least: int, most: int) -> str:
+    """least to most decimal digits, as GBNF ("" for none)."""
+    if most == 0:
+        return ""
+    if least == most:
+        return "[0-9]" if least == 1 else f"[0-9]{{{least}}}"
+    return f"[0-9]{{{least},{most}}}"
+
+
+def _grouped(alternatives: str) -> str:
+    return f"({alternatives})" if " | " in alternatives else alternatives
+
+
 def _is_literal(gbnf: str) -> bool:
     return len(gbnf) >= 2 and gbnf[0] == '"' and gbnf[-1] == '"'
 
@@ -1000,6 +1140,14 @@ def _converter_class() -> type:
                 if produced != rule:  # a primitive comes back under its own name
                     self._rules[rule] = produced
             return rule
+
+        def visit(self, schema: dict, name: str) -> str:
+            # An integer range from _SchemaWalk: inclusive int bounds, one of them possibly open.
+            if schema.get("type") == "integer" and ("minimum" in schema or "maximum" in schema):
+                rule_name = name + "-" if name in _converter_module().RESERVED_NAMES else name or "root"
+                gbnf = _integer_range_gbnf(schema.get("minimum"), schema.get("maximum"))
+                return self._add_rule(rule_name, f"{gbnf} space")
+            return super().visit(schema, name)
 
         def _visit_pattern(self, pattern: str, name: str) -> str:
             # _SchemaWalk has already translated the pattern into GBNF.

@@ -9,6 +9,7 @@ from __future__ import annotations
 import ctypes
 import enum
 import json
+import random
 import time
 import uuid
 from typing import Literal, Optional, Union
@@ -180,6 +181,72 @@ def test_valid_output_passes_and_invalid_is_refused(vocab):
     escapes = grammar_for(json_schema={"enum": ['a"b', "back\\slash", "line\nbreak"]})
     assert accepts(vocab, escapes, json.dumps("back\\slash"))
     assert accepts(vocab, escapes, json.dumps('a"b'))
+
+
+INTEGER_RANGES = {  # schema -> the inclusive range it means (None: open)
+    "[0, 120]": ({"minimum": 0, "maximum": 120}, 0, 120),
+    "(-5, 5)": ({"exclusiveMinimum": -5, "exclusiveMaximum": 5}, -4, 4),
+    "[10, inf)": ({"minimum": 10}, 10, None),
+    "(-inf, -3]": ({"maximum": -3}, None, -3),
+    "[-1000, -7]": ({"minimum": -1000, "maximum": -7}, -1000, -7),
+    "[7, 7]": ({"minimum": 7, "maximum": 7}, 7, 7),
+    "[0, 0]": ({"minimum": 0, "maximum": 0}, 0, 0),
+    "[-123, 4567]": ({"minimum": -123, "maximum": 4567}, -123, 4567),
+    "[99, 101]": ({"minimum": 99, "maximum": 101}, 99, 101),
+    "[1, 1000000]": ({"minimum": 1, "maximum": 1000000}, 1, 1000000),
+    "[2.5, 19.5] rounded": ({"minimum": 2.5, "maximum": 19.5}, 3, 19),
+    "draft-4 (1, 1099]": ({"minimum": 1, "exclusiveMinimum": True, "maximum": 1099}, 2, 1099),
+    "(-inf, 0)": ({"exclusiveMaximum": 0}, None, -1),
+}
+
+
+def _probes(low, high) -> set[int]:
+    """Every integer near the bounds, 0 and the powers of ten up to 10**7, and a sample inside."""
+    rng = random.Random(f"{low},{high}")
+    probes = set(range(-25, 26))
+    for edge in (low, high, *(s * 10**k for k in range(1, 8) for s in (1, -1))):
+        if edge is not None:
+            probes.update(range(edge - 25, edge + 26))
+    inside_low, inside_high = -(10**9) if low is None else low, 10**9 if high is None else high
+    probes.update(rng.randint(inside_low, inside_high) for _ in range(50))
+    return probes
+
+
+@pytest.mark.parametrize("case", list(INTEGER_RANGES))
+def test_integer_ranges_accept_exactly_their_integers(vocab, case):
+    bounds, low, high = INTEGER_RANGES[case]
+    gbnf = grammar_for(json_schema={"type": "integer", **bounds})
+    assert compiles(vocab, gbnf), gbnf
+    wrong = [n for n in sorted(_probes(low, high))
+             if accepts(vocab, gbnf, str(n)) != ((low is None or n >= low) and (high is None or n <= high))]
+    assert not wrong, (wrong[:20], gbnf)
+    inside = low if low is not None else high  # every case has a bound
+    zero_padded = f"-0{-inside}" if inside < 0 else f"0{inside}"
+    for text in ("01", "-0", "+5", "1.0", "1e2", "00", "-01", "", "-", " 5", zero_padded, f"{inside}.0",
+                 f"{inside}e0", f"+{inside}", f"{inside}{inside}0000000000000000"):
+        assert not accepts(vocab, gbnf, text), (text, gbnf)
+    assert accepts(vocab, gbnf, f"{inside} ")  # the rule's one optional trailing space
+    if high is None:  # an open side keeps the plain integer's 16 digits
+        assert accepts(vocab, gbnf, "9" * 16) and not accepts(vocab, gbnf, "1" + "0" * 16)
+    if low is None:
+        assert accepts(vocab, gbnf, "-" + "9" * 16) and not accepts(vocab, gbnf, "-1" + "0" * 16)
+
+
+class Ranged(BaseModel):
+    age: int = Field(ge=0, le=120)
+    offset: int = Field(gt=-5, lt=5)
+    floor: int = Field(ge=10)
+    ceiling: int = Field(le=-3)
+
+
+def test_pydantic_integer_ranges_in_an_object(vocab):
+    for schema in (Ranged.model_json_schema(), to_strict_json_schema(Ranged)):
+        gbnf = grammar_for(response_format=schema_format(schema))
+        valid = {"age": 120, "offset": -4, "floor": 10, "ceiling": -3}
+        assert accepts(vocab, gbnf, json.dumps(valid))
+        for wrong in ({"age": 121}, {"age": -1}, {"offset": 5}, {"offset": -5}, {"floor": 9}, {"ceiling": -2},
+                      {"ceiling": 0}, {"age": 1.5}):
+            assert not accepts(vocab, gbnf, json.dumps({**valid, **wrong})), wrong
 
 
 def test_json_object_whitespace_is_bounded(vocab):

@@ -294,7 +294,7 @@ def test_remote_and_odd_refs_are_refused_and_never_fetched(monkeypatch):
 
 def test_unknown_and_unenforced_keywords_are_refused_with_their_path():
     cases = [
-        ({"type": "object", "properties": {"a": {"type": "integer", "minimum": 0}}}, ["'minimum'", "/properties/a"]),
+        ({"type": "object", "properties": {"a": {"type": "number", "minimum": 0}}}, ["'minimum'", "/properties/a"]),
         ({"type": "number", "maximum": 3}, ["'maximum'"]),
         ({"type": "integer", "multipleOf": 2}, ["'multipleOf'"]),
         ({"type": "string", "format": "email"}, ["'email'", "/format"]),
@@ -336,6 +336,76 @@ def test_unknown_and_unenforced_keywords_are_refused_with_their_path():
             refused("json_schema", *words, json_schema={"type": "array", "items": {"anyOf": [False]}})
             continue
         schema_refused(schema, *words)
+
+
+# -- integer ranges (which integers they accept: tests/e2e/test_grammar_compiles.py) --------------
+
+
+class Ranges(BaseModel):
+    age: int = Field(ge=0, le=120)
+    offset: int = Field(gt=-5, lt=5)
+    at_least: int = Field(ge=10)
+    at_most: int = Field(le=-3)
+    maybe: Optional[int] = Field(default=None, ge=1, le=9)
+
+
+@pytest.mark.parametrize("make", [lambda m: m.model_json_schema(), to_strict_json_schema], ids=["pydantic", "strict"])
+def test_pydantic_integer_ranges_give_a_grammar(make):
+    r = rules(for_schema(make(Ranges)))
+    assert r["age"] == '([0-9] | [1-9] [0-9] | "1" ([0-1] [0-9] | "20")) space'
+    assert r["offset"] == '("-" [1-4] | [0-4]) space'
+    assert r["at-least"] == "[1-9] [0-9]{1,15} space"
+    assert r["at-most"] == '("-" ([3-9] | [1-9] [0-9]{1,15})) space'
+    assert r["maybe"] == "maybe-0 | null" and r["maybe-0"] == "[1-9] space"
+
+
+def test_integer_range_forms():
+    def root(schema):
+        return rules(grammar_for(json_schema=schema))["root"]
+
+    assert root({"type": "integer", "minimum": 7, "maximum": 7}) == '"7" space'
+    assert root({"type": "integer", "minimum": 0, "maximum": 0}) == '"0" space'
+    assert root({"type": "integer", "minimum": 2.5, "maximum": 9.9}) == "[3-9] space"  # rounded inward
+    assert root({"type": "integer", "exclusiveMinimum": 2.5, "exclusiveMaximum": 9}) == "[3-8] space"
+    assert root({"type": "integer", "minimum": 0, "exclusiveMinimum": 3, "maximum": 9}) == "[4-9] space"  # stricter
+    # draft-4: boolean flags on minimum/maximum
+    assert root({"type": "integer", "minimum": 2, "exclusiveMinimum": True, "maximum": 9,
+                 "exclusiveMaximum": False}) == "[3-9] space"
+    assert root({"type": "integer", "maximum": 2**53}).startswith('("-"')
+    assert root({"type": ["integer", "null"], "minimum": 1, "maximum": 3}) == "alternative-0 | null"
+    for schema in ({"type": "integer", "minimum": -(2**53), "maximum": 2**53}, {"type": "integer", "minimum": 1},
+                   {"type": "integer", "maximum": -1}, {"type": "integer", "exclusiveMaximum": 0}):
+        assert "space" in root(schema)
+
+
+def test_integer_range_refusals():
+    cases = [
+        ({"type": "integer", "minimum": 5, "maximum": 4}, ["at /:", "no integer", "nothing can match"]),
+        ({"type": "object", "properties": {"a": {"type": "integer", "minimum": 2.2, "maximum": 2.8}}},
+         ["/properties/a", "nothing can match"]),
+        ({"type": "integer", "exclusiveMinimum": 3, "exclusiveMaximum": 4}, ["nothing can match"]),
+        ({"type": "integer", "minimum": 2**53 + 1}, ["/minimum", "2**53"]),
+        ({"type": "integer", "maximum": -1e18}, ["/maximum", "2**53"]),
+        ({"type": "integer", "exclusiveMaximum": 10**30}, ["/exclusiveMaximum", "2**53"]),
+        ({"type": "integer", "minimum": "0"}, ["/minimum", "must be a number"]),
+        ({"type": "integer", "minimum": True}, ["/minimum", "must be a number"]),
+        ({"type": "integer", "maximum": float("nan")}, ["/maximum", "must be a number"]),
+        ({"type": "integer", "exclusiveMinimum": True}, ["/exclusiveMinimum", "needs minimum"]),
+        ({"type": "integer", "minimum": 0, "multipleOf": 2}, ["'multipleOf'", "integers' minimum"]),
+        ({"type": "number", "minimum": 0, "maximum": 1}, ["'maximum', 'minimum' on a number", "integers"]),
+        ({"type": "number", "multipleOf": 0.5}, ["'multipleOf' on a number"]),
+        ({"type": ["integer", "number"], "minimum": 0}, ["on a number"]),
+        ({"minimum": 0}, ["on a number", "type 'integer'"]),
+        ({"type": "integer", "enum": [1, 2], "minimum": 0}, ["const/enum next to 'minimum'"]),
+    ]
+    for schema, words in cases:
+        schema_refused(schema, *words)
+
+    class Floats(BaseModel):
+        ratio: float = Field(ge=0, le=1)
+
+    for make in (Floats.model_json_schema, lambda: to_strict_json_schema(Floats)):
+        schema_refused(make(), "/properties/ratio", "on a number")
 
 
 def test_repetitions_in_all_are_bounded():
