@@ -62,7 +62,7 @@ class Address(BaseModel):
 
 class Person(BaseModel):
     name: str = Field(max_length=30)
-    age: int
+    age: int = Field(ge=0, le=120)  # an integer range: enforced by the grammar
     address: Address
 
 

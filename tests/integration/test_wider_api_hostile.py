@@ -26,7 +26,8 @@ HOSTILE = [
     ("/v1/chat/completions", {"messages": ASK, "response_format": "json"}, "response_format"),
     ("/v1/completions", {"prompt": "x", "json_schema": nested(200)}, "json_schema"),
     ("/v1/completions", {"prompt": "x", "json_schema": {"$ref": "https://example.com/s.json"}}, "json_schema"),
-    ("/v1/completions", {"prompt": "x", "json_schema": {"type": "integer", "minimum": 3}}, "json_schema"),
+    ("/v1/completions", {"prompt": "x", "json_schema": {"type": "number", "minimum": 3}}, "json_schema"),
+    ("/v1/completions", {"prompt": "x", "json_schema": {"type": "integer", "multipleOf": 3}}, "json_schema"),
     ("/v1/completions", {"prompt": "x", "grammar": "root ::= \"a\"" + " " * 100_000}, "grammar"),
     ("/v1/completions", {"prompt": "x", "grammar": 5}, "grammar"),
     # Found by review: each of these killed or hung the worker inside llama_sampler_init_grammar.
