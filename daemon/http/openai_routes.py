@@ -11,6 +11,7 @@ there, so a rejected or timed-out request still gets a proper status code.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import msgspec
 import structlog
@@ -25,7 +26,7 @@ from daemon.model.jobs import Job, JobFailure
 from daemon.http.schemas import (BodyError, ChatCompletionRequest, CompletionRequest, ImageRefused, SamplingFields,
                                   decode_body, field_name)
 from daemon.http.shapes import ChatShape, CompletionShape, _Shape
-from daemon.tools.parse import ToolCallStream, new_call_id, parse_tool_calls, stream_deltas
+from daemon.tools.parse import ToolCallStream, forced_calls, new_call_id, parse_tool_calls, stream_deltas
 
 
 async def parse_body(request: web.Request, model: type[BaseModel]) -> BaseModel:
@@ -101,14 +102,37 @@ class Choice:
         return "".join(self.parts)
 
 
+@dataclass(frozen=True)
+class ToolMode:
+    """How an answer's tool calls are read. forced: a grammar made the whole
+    answer the call array (tool_choice required or named), so it is never
+    content, even cut short; else the model's own format is recognised."""
+
+    names: tuple[str, ...]
+    forced: bool
+    parallel: bool
+
+    def calls(self, text: str, worker_reason: str) -> tuple[str | None, list, str]:
+        """(content, calls, finish_reason) of a whole answer."""
+        if self.forced:
+            content, calls = None, forced_calls(text, self.names)
+        else:
+            content, calls = parse_tool_calls(text, self.names)
+        if not self.parallel:
+            calls = calls[:1]
+        # Cut short is "length" whatever it holds: the client must know the answer is incomplete.
+        reason = "tool_calls" if calls and worker_reason != "length" else worker_reason
+        return content, calls, reason
+
+
 def tool_calls_out(calls) -> list[dict]:
     return [{"id": new_call_id(), "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
             for c in calls]
 
 
 async def run_job(request: web.Request, model: FleetModel, job: Job, shape: _Shape, stream: bool,
-                  include_usage: bool, tool_names: list[str] | None = None) -> web.StreamResponse:
-    """tool_names: the output may hold calls to these tools (chat with tools)."""
+                  include_usage: bool, tools: ToolMode | None = None) -> web.StreamResponse:
+    """tools: the output may hold tool calls (chat with tools)."""
     controller = model.controller
     structlog.contextvars.bind_contextvars(request_id=job.id)
     request[LOGGED] = True  # the line below, with the job's timings
@@ -118,7 +142,7 @@ async def run_job(request: web.Request, model: FleetModel, job: Job, shape: _Sha
         if _is_failure(item):
             raise _failure_error(item)
         if stream:
-            return await _stream(request, job, shape, item, include_usage, tool_names)
+            return await _stream(request, job, shape, item, include_usage, tools)
         choices = [Choice() for _ in range(job.submit.n)]
         while isinstance(item, p.Tokens):
             choices[item.index].add(item)
@@ -128,10 +152,9 @@ async def run_job(request: web.Request, model: FleetModel, job: Job, shape: _Sha
         out = []
         for index, choice in enumerate(choices):
             reason = choice.finish_reason or item.finish_reason
-            if tool_names is not None:
-                content, calls = parse_tool_calls(choice.text, tool_names)
-                out.append(shape.choice(index, content, "tool_calls" if calls else reason, choice.logprobs,
-                                        tool_calls_out(calls) or None))
+            if tools is not None:
+                content, calls, reason = tools.calls(choice.text, reason)
+                out.append(shape.choice(index, content, reason, choice.logprobs, tool_calls_out(calls) or None))
             else:
                 out.append(shape.choice(index, choice.text, reason, choice.logprobs))
         return web.json_response(shape.final(out, item))
@@ -161,16 +184,21 @@ class StreamedChoice:
     """One choice while it streams: text held back while it may be a tool
     call, and the logprobs of that text."""
 
-    def __init__(self, index: int, tool_names: list[str] | None) -> None:
+    def __init__(self, index: int, tools: ToolMode | None) -> None:
         self.index = index
-        self.calls = ToolCallStream(tool_names) if tool_names is not None else None
+        self.tools = tools
+        self.calls = ToolCallStream(tools.names) if tools is not None else None
+        self.text: list[str] = []  # all of it, for a forced call cut short
         self.pending: list[p.TokenLogprob] = []
         self.finished = False
         self.reason: str | None = None  # from its last Tokens (n > 1)
 
     def feed(self, tokens: p.Tokens) -> str:
         self.pending.extend(tokens.logprobs)
-        return self.calls.feed(tokens.text) if self.calls is not None else tokens.text
+        if self.calls is None:
+            return tokens.text
+        self.text.append(tokens.text)
+        return self.calls.feed(tokens.text)
 
     def take_logprobs(self) -> list[p.TokenLogprob]:
         taken, self.pending = self.pending, []
@@ -178,7 +206,7 @@ class StreamedChoice:
 
 
 async def _stream(request: web.Request, job: Job, shape: _Shape, item, include_usage: bool,
-                  tool_names: list[str] | None) -> web.StreamResponse:
+                  tools: ToolMode | None) -> web.StreamResponse:
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                            "X-Request-Id": job.id})
     await response.prepare(request)
@@ -190,16 +218,17 @@ async def _stream(request: web.Request, job: Job, shape: _Shape, item, include_u
         """The choice's held-back text, its tool calls as OpenAI streams them, its finish_reason."""
         choice.finished = True
         if choice.calls is not None:
-            rest, found = choice.calls.finish()
+            rest, _ = choice.calls.finish()  # what it held back; the calls are read from the whole text
+            rest_content, found, reason = choice.tools.calls("".join(choice.text), reason)
+            rest = "" if rest_content is None else rest  # a forced answer is never content
             if rest or choice.pending:
                 await send(shape.chunk(rest, choice.take_logprobs(), index=choice.index))
             if found:
                 for deltas in stream_deltas(found, [new_call_id() for _ in found]):
                     await send(shape.chunk(None, tool_calls=deltas, index=choice.index))
-                reason = "tool_calls"
         await send(shape.last_chunk(reason, done, index=choice.index))
 
-    choices = [StreamedChoice(i, tool_names) for i in range(job.submit.n)]
+    choices = [StreamedChoice(i, tools) for i in range(job.submit.n)]
     for choice in choices:
         first = shape.first_chunk(index=choice.index)
         if first is not None:
@@ -249,6 +278,15 @@ def structured_grammar(request: web.Request, body: SamplingFields, chat: ChatCom
         raise ApiError(400, str(exc), "invalid_value", param=exc.param) from None
 
 
+def tool_mode(body: ChatCompletionRequest) -> ToolMode | None:
+    """How to read this answer's tool calls; None: it is all content (no tools,
+    tool_choice none, or a JSON response_format, whose answer is the JSON)."""
+    json_answer = (body.response_format or {}).get("type") in ("json_object", "json_schema")
+    if not body.calls_tools or (json_answer and not body.forces_tool_call):
+        return None
+    return ToolMode(tuple(body.tool_names), body.forces_tool_call, body.parallel_tool_calls)
+
+
 def generation_model(request: web.Request, body: SamplingFields) -> FleetModel:
     model = model_for(request, body.model)
     if model.controller.settings.embeddings:
@@ -278,14 +316,16 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         messages = body.protocol_messages(settings.max_images_per_request, settings.max_image_pixels)
     except ImageRefused as exc:
         raise ApiError(400, str(exc), exc.code, param="messages") from None
+    if body.forces_tool_call and body.stop:
+        raise ApiError(400, "stop: a forced tool call (tool_choice required or named) is the whole answer; a stop "
+                            "string would cut its JSON", "invalid_value", param="stop")
     grammar = structured_grammar(request, body, chat=body)
     model = generation_model(request, body)
     params = body.sampling(body.token_limit, grammar, body.wanted_logprobs)
     tools = [t.to_protocol() for t in body.tools or ()] if body.tool_choice != "none" else []
     job = model.controller.new_job("chat.completions", params, messages=messages, tools=tools, n=body.n)
     shape = ChatShape(f"chatcmpl-{job.id}", model.id, body.include_usage, logprobs=body.logprobs)
-    return await run_job(request, model, job, shape, body.stream, body.include_usage,
-                         tool_names=body.tool_names if body.calls_tools else None)
+    return await run_job(request, model, job, shape, body.stream, body.include_usage, tools=tool_mode(body))
 
 
 async def models(request: web.Request) -> web.Response:

@@ -334,6 +334,8 @@ class ChatCompletionRequest(SamplingFields):
     tools: Annotated[list[ToolIn], Field(max_length=MAX_TOOLS)] | None = None
     tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
     parallel_tool_calls: bool = True
+    functions: Any = Field(None, description="refused: OpenAI's deprecated form of tools")
+    function_call: Any = Field(None, description="refused: OpenAI's deprecated form of tool_choice")
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
 
@@ -361,6 +363,18 @@ class ChatCompletionRequest(SamplingFields):
     def calls_tools(self) -> bool:
         """The output may hold tool calls to recognise."""
         return bool(self.tools) and self.tool_choice != "none"
+
+    @property
+    def forces_tool_call(self) -> bool:
+        """A grammar makes the whole answer the call array."""
+        return bool(self.tools) and (self.tool_choice == "required" or isinstance(self.tool_choice, dict))
+
+    @field_validator("functions", "function_call", check_fields=False)
+    @classmethod
+    def _legacy(cls, value: Any, info: ValidationInfo) -> Any:
+        if value is not None:  # never ignored: a client sending them expects a call
+            raise ValueError(f"{info.field_name} is OpenAI's deprecated form of tools; send tools (and tool_choice)")
+        return value
 
     @field_validator("messages", mode="before")
     @classmethod

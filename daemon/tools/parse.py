@@ -334,3 +334,31 @@ def _decode(text: str, pos: int) -> tuple[Any, int]:
 
 def _skip_space(text: str, pos: int) -> int:
     return _space.match(text, pos).end()  # type: ignore[union-attr]
+
+
+def forced_calls(text: str, tool_names: Collection[str]) -> list[ParsedCall]:
+    """The calls in an answer that a grammar forced into the call array
+    (tool_choice required or named), even when it was cut short by max_tokens:
+    every complete item, in order. Such an answer is never content."""
+    names = frozenset(tool_names)
+    _, calls = parse_tool_calls(text, names)
+    if calls:
+        return calls
+    pos = _skip_space(text, 0)
+    if not text.startswith("[", pos):
+        return []
+    pos += 1
+    out: list[ParsedCall] = []
+    while True:
+        pos = _skip_space(text, pos)
+        value, pos = _decode(text, pos)
+        if pos < 0:
+            return out  # the item that was cut
+        call = _call_from_object(value, names)
+        if call is None:
+            return out
+        out.append(call)
+        pos = _skip_space(text, pos)
+        if not text.startswith(",", pos):
+            return out
+        pos += 1

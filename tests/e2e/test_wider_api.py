@@ -174,6 +174,23 @@ def test_forced_tool_calls(client, choice):
             assert arguments["unit"] in ("celsius", "fahrenheit") and isinstance(arguments["city"], str)
 
 
+def test_a_forced_call_cut_short_keeps_its_complete_calls(client):
+    """Greedy, this model repeats the call until max_tokens cuts the array: the complete calls come
+    back as tool_calls with finish_reason "length", and the JSON never as content; streamed alike."""
+    kwargs = dict(model="chat", messages=ask("What is the weather in Oslo?"), tools=[WEATHER],
+                  tool_choice="required", temperature=0, max_tokens=70)
+    c = client.chat.completions.create(**kwargs).choices[0]
+    assert c.finish_reason == "length" and c.message.content is None, c.message
+    assert c.message.tool_calls and all(t.function.name == "get_weather" for t in c.message.tool_calls)
+    streamed_content, names, reasons = "", [], []
+    for chunk in client.chat.completions.create(**kwargs, stream=True):
+        for choice in chunk.choices:
+            streamed_content += choice.delta.content or ""
+            names += [t.function.name for t in choice.delta.tool_calls or () if t.function and t.function.name]
+            reasons.append(choice.finish_reason)
+    assert streamed_content == "" and len(names) == len(c.message.tool_calls) and reasons[-1] == "length"
+
+
 def test_streamed_tool_calls_assemble_to_the_same_call(client):
     # One call: greedy, this small model would fill all 8 places the grammar gives parallel calls.
     kwargs = dict(model="chat", messages=ask("What is the weather in Oslo?"), tools=[WEATHER],
