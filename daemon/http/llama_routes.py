@@ -14,27 +14,23 @@ import base64
 import struct
 
 import msgspec
-import structlog
 from aiohttp import web
 
 from daemon import protocol as p
 from daemon.fleet.owner import FleetModel
 from daemon.http.errors import ApiError
-from daemon.http.keys import LOGGED, model_for
+from daemon.http.keys import model_for
 from daemon.http.openai_routes import (CLIENT_ERRORS, _failure_error, _first_item, _is_failure, generation_model,
-                                       parse_body, record, structured_grammar)
+                                       open_event_stream, parse_body, structured_grammar, tracked)
 from daemon.http.schemas import (ApplyTemplateRequest, DetokenizeRequest, EmbeddingsRequest, ImageRefused,
                                  NativeCompletionRequest, TokenizeRequest)
-from daemon.http.shapes import timings
+from daemon.http.shapes import piece_text, timings
 from daemon.model.jobs import Job, JobFailure
 
 
 async def run_query(request: web.Request, model: FleetModel, job: Job) -> p.Answer:
     """The worker's Answer, or the ApiError that says why there is none."""
-    structlog.contextvars.bind_contextvars(request_id=job.id)
-    request[LOGGED] = True
-    status, code = 200, None
-    try:
+    async with tracked(request, model, job):
         item = await _first_item(request, model, job)
         if isinstance(item, JobFailure):
             raise _failure_error(item)
@@ -43,13 +39,6 @@ async def run_query(request: web.Request, model: FleetModel, job: Job) -> p.Answ
         if item.error is not None:
             raise ApiError(400 if item.error_code in CLIENT_ERRORS else 500, item.error, item.error_code)
         return item
-    except ApiError as exc:
-        status, code = exc.status, exc.code
-        raise
-    finally:
-        model.controller.abandon(job)
-        record(request, model, job, status, code)
-        structlog.contextvars.unbind_contextvars("request_id")
 
 
 def _piece(data: bytes) -> str | list[int]:
@@ -136,10 +125,7 @@ async def completion(request: web.Request) -> web.StreamResponse:
                        param="n_predict")
     params = body.sampling(n_predict, grammar, body.n_probs or None)
     job = model.controller.new_job("completion", params, prompt=body.prompt)
-    structlog.contextvars.bind_contextvars(request_id=job.id)
-    request[LOGGED] = True
-    status, code = 200, None
-    try:
+    async with tracked(request, model, job, body.stream):
         item = await _first_item(request, model, job)
         if _is_failure(item):
             raise _failure_error(item)
@@ -154,13 +140,6 @@ async def completion(request: web.Request) -> web.StreamResponse:
             raise _failure_error(item)
         return web.json_response({"content": "".join(parts), **_native_end(item, model.id),
                                   **({"completion_probabilities": _native_probs(probs)} if body.n_probs else {})})
-    except ApiError as exc:
-        status, code = exc.status, exc.code
-        raise
-    finally:
-        model.controller.abandon(job)
-        record(request, model, job, status, code, body.stream)
-        structlog.contextvars.unbind_contextvars("request_id")
 
 
 def _native_end(done: p.Done, model: str) -> dict:
@@ -170,20 +149,14 @@ def _native_end(done: p.Done, model: str) -> dict:
 
 
 def _native_probs(entries: list[p.TokenLogprob]) -> list[dict]:
-    return [{"id": e.token, "token": _text(e.piece), "bytes": list(e.piece), "logprob": e.logprob,
-             "top_logprobs": [{"id": t.token, "token": _text(t.piece), "bytes": list(t.piece), "logprob": t.logprob}
+    return [{"id": e.token, "token": piece_text(e.piece), "bytes": list(e.piece), "logprob": e.logprob,
+             "top_logprobs": [{"id": t.token, "token": piece_text(t.piece), "bytes": list(t.piece), "logprob": t.logprob}
                               for t in e.top]} for e in entries]
-
-
-def _text(piece: bytes) -> str:
-    return piece.decode("utf-8", errors="replace")
 
 
 async def _native_stream(request: web.Request, job: Job, model: str, item, n_probs: int) -> web.StreamResponse:
     """As llama-server streams /completion: `data: {...}` lines, the last with stop: true (no [DONE])."""
-    response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
-                                           "X-Request-Id": job.id})
-    await response.prepare(request)
+    response = await open_event_stream(request, job)
     encode = msgspec.json.encode
     while isinstance(item, p.Tokens):
         if item.text or item.logprobs:

@@ -11,6 +11,8 @@ there, so a rejected or timed-out request still gets a proper status code.
 from __future__ import annotations
 
 import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
 import msgspec
@@ -133,11 +135,7 @@ def tool_calls_out(calls) -> list[dict]:
 async def run_job(request: web.Request, model: FleetModel, job: Job, shape: _Shape, stream: bool,
                   include_usage: bool, tools: ToolMode | None = None) -> web.StreamResponse:
     """tools: the output may hold tool calls (chat with tools)."""
-    controller = model.controller
-    structlog.contextvars.bind_contextvars(request_id=job.id)
-    request[LOGGED] = True  # the line below, with the job's timings
-    status, code = 200, None
-    try:
+    async with tracked(request, model, job, stream):
         item = await _first_item(request, model, job)
         if _is_failure(item):
             raise _failure_error(item)
@@ -158,23 +156,40 @@ async def run_job(request: web.Request, model: FleetModel, job: Job, shape: _Sha
             else:
                 out.append(shape.choice(index, choice.text, reason, choice.logprobs))
         return web.json_response(shape.final(out, item))
+
+
+@asynccontextmanager
+async def tracked(request: web.Request, model: FleetModel, job: Job, stream: bool = False) -> AsyncIterator[None]:
+    """While a job's request is answered: its id on every log line. However it
+    ends, the job is let go (a no-op once finished; frees its slot if the
+    client left) and the request gets its one log line and its metrics."""
+    structlog.contextvars.bind_contextvars(request_id=job.id)
+    request[LOGGED] = True  # the line below, with the job's timings
+    status, code = 200, None
+    try:
+        yield
     except ApiError as exc:
         status, code = exc.status, exc.code
         raise
     finally:
-        controller.abandon(job)  # no-op once finished; frees the slot if the client left
-        record(request, model, job, status, code, stream)
+        model.controller.abandon(job)
+        metrics = model.controller.metrics
+        request.app[LOG].info("request", endpoint=job.endpoint, model=model.id, status=status, code=code, stream=stream,
+                              cold=job.cold, seconds=round(time.monotonic() - job.accepted_at, 4),
+                              finished=job.finished)
+        metrics.requests.labels(endpoint=job.endpoint, status=str(status)).inc()
+        metrics.request_seconds.labels(endpoint=job.endpoint, outcome="ok" if status == 200 else "error").observe(
+            time.monotonic() - job.accepted_at)
         structlog.contextvars.unbind_contextvars("request_id")
 
 
-def record(request: web.Request, model: FleetModel, job: Job, status: int, code: str | None, stream: bool = False) -> None:
-    """The request's log line and metrics, however it ended."""
-    metrics = model.controller.metrics
-    request.app[LOG].info("request", endpoint=job.endpoint, model=model.id, status=status, code=code, stream=stream,
-                          cold=job.cold, seconds=round(time.monotonic() - job.accepted_at, 4), finished=job.finished)
-    metrics.requests.labels(endpoint=job.endpoint, status=str(status)).inc()
-    metrics.request_seconds.labels(endpoint=job.endpoint, outcome="ok" if status == 200 else "error").observe(
-        time.monotonic() - job.accepted_at)
+async def open_event_stream(request: web.Request, job: Job) -> web.StreamResponse:
+    """The SSE response, its headers sent: only once the first item is there,
+    so a refused or timed-out request still gets its status code."""
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                           "X-Request-Id": job.id})
+    await response.prepare(request)
+    return response
 
 
 _encode = msgspec.json.encode
@@ -207,9 +222,7 @@ class StreamedChoice:
 
 async def _stream(request: web.Request, job: Job, shape: _Shape, item, include_usage: bool,
                   tools: ToolMode | None) -> web.StreamResponse:
-    response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
-                                           "X-Request-Id": job.id})
-    await response.prepare(request)
+    response = await open_event_stream(request, job)
 
     async def send(body: dict) -> None:
         await response.write(b"data: " + _encode(body) + b"\n\n")

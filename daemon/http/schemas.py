@@ -327,22 +327,33 @@ class ChatMessageIn(BaseModel):
         return p.ChatMessage(role, parts, **extra)
 
 
-class ChatCompletionRequest(SamplingFields):
+class Conversation(BaseModel):
+    """Messages and the tools offered with them, counted before their items are
+    validated: chat completions and /apply-template take the same."""
+
     messages: Annotated[list[ChatMessageIn], Field(min_length=1, max_length=MAX_MESSAGES)]
+    tools: Annotated[list[ToolIn], Field(max_length=MAX_TOOLS)] | None = None
+
+    @field_validator("messages", mode="before")
+    @classmethod
+    def _message_count(cls, value: Any) -> Any:
+        return _at_most(value, MAX_MESSAGES, "messages")
+
+    @field_validator("tools", mode="before")
+    @classmethod
+    def _tool_count(cls, value: Any) -> Any:
+        return _at_most(value, MAX_TOOLS, "tools")
+
+
+class ChatCompletionRequest(SamplingFields, Conversation):
     max_tokens: int | None = Field(None, ge=1, le=1_000_000)
     max_completion_tokens: int | None = Field(None, ge=1, le=1_000_000)
-    tools: Annotated[list[ToolIn], Field(max_length=MAX_TOOLS)] | None = None
     tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
     parallel_tool_calls: bool = True
     functions: Any = Field(None, description="refused: OpenAI's deprecated form of tools")
     function_call: Any = Field(None, description="refused: OpenAI's deprecated form of tool_choice")
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
-
-    @field_validator("tools", mode="before")
-    @classmethod
-    def _tool_count(cls, value: Any) -> Any:
-        return _at_most(value, MAX_TOOLS, "tools")
 
     @field_validator("top_logprobs")
     @classmethod
@@ -375,11 +386,6 @@ class ChatCompletionRequest(SamplingFields):
         if value is not None:  # never ignored: a client sending them expects a call
             raise ValueError(f"{info.field_name} is OpenAI's deprecated form of tools; send tools (and tool_choice)")
         return value
-
-    @field_validator("messages", mode="before")
-    @classmethod
-    def _message_count(cls, value: Any) -> Any:
-        return _at_most(value, MAX_MESSAGES, "messages")
 
     @property
     def token_limit(self) -> int:
@@ -428,15 +434,8 @@ class DetokenizeRequest(BaseModel):
         return _prompt_limit(value, info, "token ids (ctx_size)")
 
 
-class ApplyTemplateRequest(BaseModel):
+class ApplyTemplateRequest(Conversation):
     model: str | None = None
-    messages: Annotated[list[ChatMessageIn], Field(min_length=1, max_length=MAX_MESSAGES)]
-    tools: Annotated[list[ToolIn], Field(max_length=MAX_TOOLS)] | None = None
-
-    @field_validator("messages", mode="before")
-    @classmethod
-    def _message_count(cls, value: Any) -> Any:
-        return _at_most(value, MAX_MESSAGES, "messages")
 
 
 class NativeCompletionRequest(SamplingFields):

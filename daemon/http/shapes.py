@@ -47,7 +47,7 @@ def timings(done: p.Done) -> dict[str, Any]:
     }
 
 
-def _text(piece: bytes) -> str:
+def piece_text(piece: bytes) -> str:
     return piece.decode("utf-8", errors="replace")
 
 
@@ -88,10 +88,10 @@ class CompletionShape(_Shape):
             return None
         out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
         for e in entries:
-            token = _text(e.piece)
+            token = piece_text(e.piece)
             out["tokens"].append(token)
             out["token_logprobs"].append(e.logprob)
-            out["top_logprobs"].append({_text(t.piece): t.logprob for t in e.top})
+            out["top_logprobs"].append({piece_text(t.piece): t.logprob for t in e.top})
             out["text_offset"].append(self._offsets.get(index, 0))
             self._offsets[index] = self._offsets.get(index, 0) + len(token)
         return out
@@ -127,8 +127,8 @@ class ChatShape(_Shape):
         if not self.logprobs:
             return None
         return {"content": [{
-            "token": _text(e.piece), "logprob": e.logprob, "bytes": list(e.piece),
-            "top_logprobs": [{"token": _text(t.piece), "logprob": t.logprob, "bytes": list(t.piece)} for t in e.top],
+            "token": piece_text(e.piece), "logprob": e.logprob, "bytes": list(e.piece),
+            "top_logprobs": [{"token": piece_text(t.piece), "logprob": t.logprob, "bytes": list(t.piece)} for t in e.top],
         } for e in entries], "refusal": None}
 
     def choice(self, index: int, text: str | None, reason: str, logprobs: list[p.TokenLogprob],

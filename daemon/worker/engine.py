@@ -244,10 +244,8 @@ class Engine:
                     else:
                         content += part.text or ""
             contents.append(content)
-        tools = [{"type": "function", "function": {"name": t.name, "description": t.description, "parameters": t.parameters}}
-                 for t in msg.tools]
         try:
-            text = self.chat.render(template_messages(msg.messages, contents), tools=tools or None)
+            text = self.chat.render(template_messages(msg.messages, contents), tools=msg.tools)
         except ChatTemplateError as exc:
             raise RequestError(str(exc)) from exc
         if self.add_bos and self.chat.bos_token and text.startswith(self.chat.bos_token):

@@ -122,8 +122,9 @@ class SamplerChain:
 
         if self._candidates is None:
             self._candidates = np.empty(self.n_vocab, dtype=[("id", np.int32), ("logit", np.float32), ("p", np.float32)])
+            self._ids = np.arange(self.n_vocab, dtype=np.int32)
         cand = self._candidates
-        cand["id"] = np.arange(self.n_vocab, dtype=np.int32)  # again: samplers sort and cut the array in place
+        cand["id"] = self._ids  # again at every draw: samplers sort and cut the array in place
         cand["logit"] = logits
         cand["p"] = 0.0
         array = llama.llama_token_data_array(
