@@ -75,6 +75,7 @@ HOSTILE = [
     ("/detokenize", {"tokens": list(range(5000))}, "tokens"),
     ("/detokenize", {"tokens": "abc"}, "tokens"),
     ("/apply-template", {"messages": []}, "messages"),
+    ("/apply-template", {"messages": ASK, "tools": [TOOL] * 129}, "tools"),
     ("/completion", {"prompt": "x", "n_predict": -2}, "n_predict"),
     ("/completion", {"prompt": "x", "n_predict": 10**9}, "n_predict"),
     ("/completion", {"prompt": "x", "n_probs": 100}, "n_probs"),
@@ -122,6 +123,21 @@ async def test_new_endpoints_need_the_api_key():
             assert (await client.post(path, json=body)).status == 401, path
             ok = await client.post(path, json=body, headers={"Authorization": "Bearer k"})
             assert ok.status in (200, 400), path  # 400: embeddings from a model without them
+
+
+async def test_a_query_wakes_a_sleeping_model_and_races_a_sleep_without_loss():
+    """A query is a request to the state machine: asleep, it wakes the model; sent beside /sleep, either
+    the sleep waits for it (409) or it wakes the model again; it is answered either way."""
+    import asyncio
+
+    async with daemon() as (controller, client):
+        assert (await client.post("/sleep")).status == 200
+        r = await client.post("/tokenize", json={"content": "a b"})
+        assert r.status == 200 and (await r.json())["tokens"] == [1, 1]
+        for _ in range(5):
+            sleep, query = await asyncio.gather(client.post("/sleep"), client.post("/detokenize", json={"tokens": [7]}))
+            assert sleep.status in (200, 409) and query.status == 200
+            assert (await query.json()) == {"content": "w7"}
 
 
 async def test_queries_round_trip_through_the_worker_protocol():
