@@ -2,20 +2,29 @@
 
 Pure logic, like the server state machine: the fleet's owner task describes
 every model (its bytes, whether its worker holds memory, its state, when it
-was last used, whether it is busy or pinned) and asks what a load request
-for one model should do. The answer is one of:
+was last used, whether it is busy, pinned, or sleeps when idle) and asks what
+a load request for one model should do. The answer is one of:
 
 - StartNow: the model fits beside what is resident; load it.
-- EvictFirst(victims): put these models to sleep (least recently used first,
-  never a busy or pinned one), then ask again: their memory comes back when
-  their workers exit, not when the decision is made.
-- Wait(reason): busy models hold the memory, or another load or a teardown is
-  under way (one load at a time per device, so two cold models never load
-  at once and run out of memory). The owner asks again when anything
-  changes; the request's wait is bounded by wake_timeout.
-- Refuse(reason): it can never fit (bigger than the whole budget); the
-  message names the sizes. (Pinned models that hold the room make it wait:
-  they still go to sleep when idle.)
+- EvictFirst(victims): put these idle models to sleep, then ask again: their
+  memory comes back when their workers exit, not when the decision is made.
+  The victims are the fewest idle models that make room (fewer evictions,
+  fewer reloads), the least recently used among sets of that size; never a
+  busy or pinned one.
+- Drain(models): idle models cannot make room, but these busy ones can once
+  they finish. Stop feeding them new requests (the owner holds those, in
+  order, bounded) so that they fall idle and can be evicted; ask again. A
+  model that always has one more request in flight would otherwise never be
+  idle, and the waiting model would starve (Ollama's scheduler, too, holds
+  every request while its head waits for a runner to unload).
+- Wait(reason): another load or a teardown is under way (one load at a time
+  per device, so two cold models never load at once and run out of memory),
+  or pinned models that do sleep when idle hold the room. The owner asks
+  again when anything changes; the request's wait is bounded.
+- Refuse(reason, code): it can never fit: bigger than the whole budget, or
+  bigger than what is left beside the models that never leave (pinned and
+  never sleeping). Waiting could only block the loads behind it, so the
+  answer is at once, and names the models in the way and their sizes.
 
 Peers admit by count (Ollama's OLLAMA_MAX_LOADED_MODELS, llama-server's
 --models-max); a count cannot know that two big models do not fit together
@@ -25,11 +34,13 @@ or that three small ones do.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Mapping
+from itertools import accumulate
+from typing import Iterable, Mapping, Sequence
 
 from statemachine.states import ServerState as S
 
 LOADING_STATES = frozenset({S.LOADING, S.WAKING})
+LEAVING_STATES = frozenset({S.UNLOADING, S.STOPPING})
 
 
 @dataclass(frozen=True)
@@ -38,13 +49,25 @@ class ModelView:
     bytes: int  # predicted before its first load, measured after
     resident: bool  # its worker holds memory, or has been admitted and is acquiring it
     state: S
-    last_used: float  # monotonic seconds; larger is more recent
+    last_used: float  # monotonic seconds its last request ended (or it loaded); larger is more recent
     busy: bool = False  # requests in flight or waiting
     pinned: bool = False  # never evicted
+    sleeps_when_idle: bool = True  # its idle timer is armed (sleep_idle_seconds >= 0)
 
     @property
     def evictable(self) -> bool:
+        """May be put to sleep now to make room."""
         return self.resident and self.state is S.READY and not self.busy and not self.pinned
+
+    @property
+    def drainable(self) -> bool:
+        """Busy, but evictable once its requests are done (if it is fed no more)."""
+        return self.resident and self.state is S.READY and self.busy and not self.pinned
+
+    @property
+    def never_leaves(self) -> bool:
+        """Holds its memory for good: never evicted (pinned) and never asleep on its own."""
+        return self.resident and self.pinned and not self.sleeps_when_idle and self.state not in LEAVING_STATES
 
 
 @dataclass(frozen=True)
@@ -58,6 +81,12 @@ class EvictFirst:
 
 
 @dataclass(frozen=True)
+class Drain:
+    models: tuple[str, ...]
+    reason: str
+
+
+@dataclass(frozen=True)
 class Wait:
     reason: str
 
@@ -65,13 +94,56 @@ class Wait:
 @dataclass(frozen=True)
 class Refuse:
     reason: str
+    code: str = "model_too_large"
 
 
-Decision = StartNow | EvictFirst | Wait | Refuse
+Decision = StartNow | EvictFirst | Drain | Wait | Refuse
 
 
 def mib(n: int) -> str:
     return f"{n / 2**20:.0f} MiB"
+
+
+def named(models: Iterable[ModelView]) -> str:
+    """'a (4096 MiB), b (2048 MiB)': the models in the way, with what they hold."""
+    return ", ".join(f"{m.id} ({mib(m.bytes)})" for m in models)
+
+
+def described(models: Iterable[ModelView]) -> str:
+    """'p (4096 MiB, pinned, busy), a (2048 MiB, idle)': why each one is still there."""
+    def tags(m: ModelView) -> str:
+        return ", ".join(t for t, on in (("pinned", m.pinned), ("busy", m.busy), ("idle", not m.busy),
+                                         ("never sleeps", not m.sleeps_when_idle)) if on)
+    return ", ".join(f"{m.id} ({mib(m.bytes)}, {tags(m)})" for m in models)
+
+
+def fewest_to_free(candidates: Sequence[ModelView], need: int) -> tuple[ModelView, ...] | None:
+    """The smallest set of `candidates` whose bytes add up to `need`, least
+    recently used among the sets of that size (the one whose most recently used
+    member is the oldest, then its next, ...); None if even all are not enough.
+
+    Fewest first: each eviction is a reload later. Among sets of one size, the
+    choice is made newest member first: walking the candidates oldest first,
+    the newest member is the first one that, with the largest of the older
+    ones, makes room; the rest is chosen the same way among the older ones."""
+    if need <= 0:
+        return ()
+    largest_first = accumulate(sorted((m.bytes for m in candidates), reverse=True))
+    size = next((k for k, freed in enumerate(largest_first, 1) if freed >= need), None)
+    if size is None:
+        return None
+    oldest_first = sorted(candidates, key=lambda m: (m.last_used, m.id))
+
+    def choose(pool: list[ModelView], k: int, need: int) -> list[ModelView]:
+        if need <= 0:
+            return []
+        for j in range(k - 1, len(pool)):
+            older = sorted((m.bytes for m in pool[:j]), reverse=True)[:k - 1]
+            if pool[j].bytes + sum(older) >= need:
+                return choose(pool[:j], k - 1, need - pool[j].bytes) + [pool[j]]
+        raise AssertionError("unreachable: a set of this size makes room")  # pragma: no cover
+
+    return tuple(choose(oldest_first, size, need))
 
 
 def plan_load(target: str, models: Mapping[str, ModelView], budget: int) -> Decision:
@@ -82,22 +154,34 @@ def plan_load(target: str, models: Mapping[str, ModelView], budget: int) -> Deci
     others = [m for m in models.values() if m.id != target and m.resident]
     if want.bytes > budget:
         return Refuse(f"model {target} needs {mib(want.bytes)}, more than the whole memory budget of {mib(budget)}")
+    staying = [m for m in others if m.never_leaves]
+    room_beside_staying = budget - sum(m.bytes for m in staying)
+    if want.bytes > room_beside_staying:
+        return Refuse(f"model {target} needs {mib(want.bytes)}; of the memory budget of {mib(budget)}, "
+                      f"{mib(room_beside_staying)} is left beside pinned models that never sleep: {named(staying)} "
+                      f"(unpin one, let it sleep when idle, or put it to sleep with POST /models/unload)")
     loading = [m.id for m in others if m.state in LOADING_STATES]
     if loading:
         return Wait(f"one load at a time: {loading[0]} is loading")
     free = budget - sum(m.bytes for m in others)
     if want.bytes <= free:
         return StartNow()
-    coming_back = sum(m.bytes for m in others if m.state is S.UNLOADING)
-    if want.bytes <= free + coming_back:
-        return Wait("waiting for a model to finish going to sleep")
-    victims: list[str] = []
-    freed = coming_back
-    for m in sorted((m for m in others if m.evictable), key=lambda m: (m.last_used, m.id)):
-        victims.append(m.id)
-        freed += m.bytes
-        if want.bytes <= free + freed:
-            return EvictFirst(tuple(victims))
-    busy = sum(m.bytes for m in others if m.busy)
-    return Wait(f"model {target} needs {mib(want.bytes)}; {mib(free)} of the memory budget of {mib(budget)} "
-                f"is free and busy models hold {mib(busy)}")
+    going = [m for m in others if m.state in LEAVING_STATES]
+    need = want.bytes - free - sum(m.bytes for m in going)
+    if need <= 0:
+        return Wait(f"waiting for {', '.join(m.id for m in going)} to finish going to sleep")
+    idle = [m for m in others if m.evictable]
+    victims = fewest_to_free(idle, need)
+    if victims is not None:
+        return EvictFirst(tuple(m.id for m in victims))
+    # Every idle model together is not enough: busy ones must finish first. The
+    # idle ones are not evicted yet (they may serve meanwhile, and the fewest
+    # victims are chosen again once the drained ones are idle).
+    short = f"model {target} needs {mib(want.bytes)}; {mib(free)} of the memory budget of {mib(budget)} is free"
+    drained = fewest_to_free([m for m in others if m.drainable], need - sum(m.bytes for m in idle))
+    if drained is not None:
+        return Drain(tuple(m.id for m in drained),
+                     f"{short}; waiting for busy {named(drained)} to finish the requests in flight "
+                     f"(new requests for {'it' if len(drained) == 1 else 'them'} wait until {target} is loaded)")
+    in_the_way = [m for m in others if m.state not in LEAVING_STATES]
+    return Wait(f"{short}; in the way: {described(in_the_way)} (a pinned model leaves only when it sleeps when idle)")

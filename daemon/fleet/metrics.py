@@ -19,6 +19,10 @@ class FleetMetrics:
         self.admission_refusals = Counter(
             "dormouse_fleet_load_refusals_total", "Loads refused: it can never fit, or it did not fit within wake_timeout",
             ["model", "reason"], registry=r)
+        self.drains = Counter(
+            "dormouse_fleet_drains_total",
+            "Times a busy model's new requests were held so that it could finish and make room for another",
+            ["model"], registry=r)
         self.loads_in_progress = Gauge("dormouse_fleet_loads_in_progress", "Models loading right now", registry=r)
         self.loads_in_progress_max = Gauge(
             "dormouse_fleet_loads_in_progress_max", "The most models seen loading at the same moment (1: one at a time)",

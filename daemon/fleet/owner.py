@@ -11,6 +11,14 @@ small ones), and re-plans whenever any model's state or load changes.
 A model's controller asks `admit(model_id)` before it starts a worker; the
 answer comes when the load may start (after evictions, if any), or as a
 LoadNotAdmitted when it can never fit or did not fit within wake_timeout.
+
+While the head of the queue waits for busy models to finish (the planner's
+Drain), those models' new requests are held by their controllers, so that
+they fall idle and can be put to sleep; the hold is lifted when the head
+leaves the queue (admitted, refused or given up), and the held requests, in
+order, then wake their model again through this same queue. Held requests are
+bounded as accepted ones are (the model's queue size, then 503 queue_full)
+and wait at most wake_timeout (then 503 with Retry-After).
 """
 
 from __future__ import annotations
@@ -18,14 +26,14 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from daemon.model.controller import Controller
 from daemon.fleet.metrics import FleetMetrics
-from statemachine import (Event, LoadNotAdmitted, RequestArrived, ServerState, SleepCompleted, SleepRequested,
+from statemachine import (Event, LoadNotAdmitted, RequestFinished, ServerState, SleepCompleted, SleepRequested,
                           WorkerExited, WorkerLoadFailed)
-from statemachine.fleet import EvictFirst, ModelView, Refuse, StartNow, Wait, plan_load
+from statemachine.fleet import Drain, EvictFirst, ModelView, Refuse, StartNow, Wait, plan_load
 
 S = ServerState
 # A model holds memory in these states whether or not the fleet admitted it
@@ -54,7 +62,7 @@ class FleetModel:
     load_at_start: bool = False
     measured_bytes: int | None = None
     measured_components: dict[str, int] | None = None
-    last_used: float = 0.0
+    last_used: float = 0.0  # monotonic time its last request ended, or it last loaded
     admitted: bool = False  # allowed to load; cleared when its worker is gone
 
     @property
@@ -64,6 +72,16 @@ class FleetModel:
     @property
     def status(self) -> str:
         return STATUS[self.controller.state]
+
+
+@dataclass
+class PendingLoad:
+    """One load asked for, in the admission queue."""
+
+    model_id: str
+    future: asyncio.Future  # the answer: None (load now) or a LoadNotAdmitted
+    waited: bool = False  # counted once in dormouse_fleet_load_waits_total
+    drained: set[str] = field(default_factory=set)  # models whose new requests are held for it
 
 
 class Fleet:
@@ -83,9 +101,9 @@ class Fleet:
         for m in models:
             for name in (m.id, *m.aliases):
                 self._names[name] = m
-        self._pending: deque[tuple[str, asyncio.Future]] = deque()
-        self._waited: set[asyncio.Future] = set()
+        self._pending: deque[PendingLoad] = deque()
         self._last_wait: dict[str, str] = {}
+        self._held_for: dict[str, str] = {}  # model whose new requests are held -> the model it drains for
         self._gave_up: dict[str, tuple[str, float]] = {}  # model -> (why, when) its last admission timed out
         self._changed = asyncio.Event()
         self._most_loading = 0
@@ -127,7 +145,7 @@ class Fleet:
         start, by an operator or a retry waits as long as a load may take."""
         bound = self.wake_timeout if reason == "request" else max(self.wake_timeout, self.load_timeout)
         future = asyncio.get_running_loop().create_future()
-        self._pending.append((model_id, future))
+        self._pending.append(PendingLoad(model_id, future))
         self._changed.set()
         try:
             return await asyncio.wait_for(asyncio.shield(future), bound)
@@ -150,11 +168,15 @@ class Fleet:
         """Why `model_id`'s load is waiting for the fleet, or gave up waiting
         after `since` (a request's wake bound and its admission's expire in the
         same loop turn; the request's answer should say why either way)."""
-        if any(pending == model_id and not future.done() for pending, future in self._pending):
+        if any(load.model_id == model_id and not load.future.done() for load in self._pending):
             return self._last_wait.get(model_id, "waiting for its turn to load")
         gave_up = self._gave_up.get(model_id)
         if gave_up is not None and gave_up[1] >= since:
             return gave_up[0]
+        if model_id in self._held_for:
+            waiting = self._held_for[model_id]
+            return (f"its new requests are held until {waiting} is loaded, so that {model_id} finishes "
+                    f"the requests in flight and makes room ({self._last_wait.get(waiting, 'waiting for room')})")
         return None
 
     async def run(self) -> None:
@@ -166,7 +188,8 @@ class Fleet:
 
     def _plan(self) -> None:
         while self._pending:
-            model_id, future = self._pending[0]
+            head = self._pending[0]
+            model_id, future = head.model_id, head.future
             if future.done():  # timed out or called off
                 self._pending.popleft()
                 continue
@@ -184,19 +207,42 @@ class Fleet:
                 self._pending.popleft()
                 self.metrics.admission_refusals.labels(model=model_id, reason="never_fits").inc()
                 self.log.warning("fleet.refuse", model=model_id, reason=decision.reason)
-                future.set_result(LoadNotAdmitted(decision.reason, "model_too_large", None))
+                future.set_result(LoadNotAdmitted(decision.reason, decision.code, None))
                 continue
-            if future not in self._waited:
-                self._waited.add(future)
+            if not head.waited:
+                head.waited = True
                 self.metrics.admission_waits.labels(model=model_id).inc()
             if isinstance(decision, EvictFirst):
                 self._last_wait[model_id] = f"putting {', '.join(decision.victims)} to sleep"
                 for victim in decision.victims:
                     self.log.info("fleet.evict", model=victim, for_model=model_id)
                     self.models[victim].controller.post(SleepRequested(0, reason="evict"))
+            elif isinstance(decision, Drain):
+                self._last_wait[model_id] = decision.reason
+                head.drained.update(decision.models)
             elif isinstance(decision, Wait):
                 self._last_wait[model_id] = decision.reason
-            return  # the head waits; the ones behind it wait their turn
+            break  # the head waits; the ones behind it wait their turn
+        self._hold_for(self._pending[0] if self._pending else None)
+
+    def _hold_for(self, head: PendingLoad | None) -> None:
+        """Hold new requests of exactly the models the head drains (until it is
+        admitted, refused or gives up: a drained model that fell idle is then
+        evicted for it, and must not be woken by its own requests meanwhile);
+        release every other model's, in order."""
+        drained = head.drained if head is not None else set()
+        for model in self.models.values():
+            controller = model.controller
+            if model.id in drained:
+                self._held_for[model.id] = head.model_id
+                if not controller.holding:
+                    self.metrics.drains.labels(model=model.id).inc()
+                    self.log.info("fleet.drain", model=model.id, for_model=head.model_id)
+                    controller.hold_requests()
+            elif controller.holding:
+                self._held_for.pop(model.id, None)
+                self.log.info("fleet.drain_lifted", model=model.id, released=len(controller.held))
+                controller.release_held()
 
     # -- what the planner sees ----------------------------------------------------------
 
@@ -205,7 +251,8 @@ class Fleet:
         for m in self.models.values():
             state = m.controller.state
             views[m.id] = ModelView(m.id, m.bytes, m.admitted or state in HOLDING, state, m.last_used,
-                                    busy=m.controller.machine.busy, pinned=m.pinned)
+                                    busy=m.controller.machine.busy, pinned=m.pinned,
+                                    sleeps_when_idle=m.controller.machine.policy.idle_seconds >= 0)
         return views
 
     def planned_bytes(self) -> int:
@@ -224,7 +271,10 @@ class Fleet:
         controller = model.controller
 
         def on_event(event: Event) -> None:
-            if isinstance(event, RequestArrived):
+            if isinstance(event, RequestFinished):
+                # When a request ends, not when it arrives: a model that served a
+                # long stream until a moment ago was used more recently than one
+                # whose short request came after the stream began and ended before.
                 model.last_used = time.monotonic()
             if isinstance(event, WORKER_GONE):
                 # Its memory is back. Not only on reaching SLEEPING: a model asked for
@@ -240,6 +290,7 @@ class Fleet:
                     and controller.machine.last_event.reason == "evict":
                 self.metrics.evictions.labels(model=model.id).inc()
             if after is S.READY and before is not S.READY:
+                model.last_used = time.monotonic()  # just loaded (for a request or an operator): not the first to go
                 self._measured(model)
             self._update_gauges()
 

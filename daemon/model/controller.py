@@ -129,6 +129,11 @@ class Controller:
         self.admission: Callable[[str], Awaitable[LoadNotAdmitted | None]] | None = None
         self._admission_wait: asyncio.Future | None = None
         self.last_refusal: LoadNotAdmitted | None = None  # why the last load was not admitted, if it was not
+        # Set by the fleet while another model's load waits for this busy one to
+        # finish: new requests are held here, in arrival order, instead of keeping
+        # it busy for ever, so that it falls idle and can be put to sleep.
+        self.holding = False
+        self.held: OrderedDict[str, Job] = OrderedDict()
         metrics.idle_timeout_seconds.set(settings.sleep_idle_seconds)
         metrics.set_state(self.state)
 
@@ -205,12 +210,40 @@ class Controller:
                                f"this request was being served when the worker died {POISON_CRASHES} times; "
                                "it is refused so that it cannot take the model down again"))
             return job
+        if self.holding:
+            return self._hold(job)
         self.jobs[request_id] = job
         self.post(RequestArrived(request_id))
         return job
 
+    def _hold(self, job: Job) -> Job:
+        # Held requests count against the same capacity as accepted ones, so that
+        # all of them are accepted when they are released.
+        if len(self.held) + len(self.machine.in_flight) + len(self.machine.waiting) >= self.machine.policy.capacity:
+            job.put(JobFailure(503, "queue_full",
+                               f"server busy: {self.machine.policy.capacity} requests already accepted", 1.0))
+            return job
+        self.jobs[job.id] = job
+        self.held[job.id] = job
+        return job
+
+    def hold_requests(self) -> None:
+        """The fleet's word: keep new requests back (see `held`)."""
+        self.holding = True
+
+    def release_held(self) -> None:
+        """The fleet's word: feed requests again, the held ones first, in order."""
+        self.holding = False
+        while self.held:
+            request_id, job = self.held.popitem(last=False)
+            job.cold = job.cold or self.state is not ServerState.READY
+            self.post(RequestArrived(request_id))
+
     def abandon(self, job: Job) -> None:
         """The client is gone or gave up: free its place, wherever it is."""
+        if self.held.pop(job.id, None) is not None:  # the state machine never saw it
+            self.jobs.pop(job.id, None)
+            return
         if not job.finished:
             self.post(RequestAbandoned(job.id))
 

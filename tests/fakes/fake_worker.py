@@ -11,11 +11,13 @@ Behaviour comes from the environment:
   FAKE_TEARDOWN_SECONDS   time the ordered teardown takes (default 0)
   FAKE_HANG_AFTER_TOKENS  stop itself (SIGSTOP) after emitting this many tokens in total
   FAKE_MODEL_BYTES        the model bytes it reports having loaded (default 1000; its context is 100 more)
+  FAKE_MODEL_SIZES        JSON {file stem: model bytes}: per model, over FAKE_MODEL_BYTES (a fleet of sizes)
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
 import socket
@@ -67,7 +69,9 @@ def main() -> int:
         channel.send(p.Error(os.environ["FAKE_LOAD_ERROR"], during="load"))
         return 3
     spec = message.spec
-    model_bytes = int(os.environ.get("FAKE_MODEL_BYTES", "1000"))
+    sizes = json.loads(os.environ.get("FAKE_MODEL_SIZES", "{}"))
+    stem = os.path.splitext(os.path.basename(spec.model))[0]
+    model_bytes = int(sizes.get(stem, os.environ.get("FAKE_MODEL_BYTES", "1000")))
     phases = [p.Phase("backend", 0.0), p.Phase("model", time.perf_counter() - start, model_bytes),
               p.Phase("context", 0.0, 100)]
     info = {"path": spec.model, "fake": True,

@@ -108,7 +108,8 @@ async def test_when_busy_models_hold_the_memory_the_load_waits_then_is_refused_w
         refused = await ask(fleet, "c")
         assert isinstance(refused, JobFailure) and refused.status == 503
         assert refused.code == "insufficient_memory" and refused.retry_after
-        assert "busy models hold" in refused.message
+        # It names what is in the way and its size: a, the least recently used, drains for it.
+        assert "waiting for busy a (4096 MiB) to finish" in refused.message
         assert states(fleet)["c"] == "sleeping"
         await asyncio.gather(*busy)
         assert isinstance(await ask(fleet, "c"), p.Done)  # once they are idle, it fits

@@ -1,11 +1,12 @@
 """The fleet planner, case by case and over random fleets. Pure: no asyncio."""
 
+import itertools
 import random
 
 import pytest
 
 from statemachine import ServerState as S
-from statemachine.fleet import EvictFirst, ModelView, Refuse, StartNow, Wait, plan_load
+from statemachine.fleet import Drain, EvictFirst, ModelView, Refuse, StartNow, Wait, fewest_to_free, plan_load
 
 GiB = 2**30
 
@@ -39,9 +40,11 @@ def test_never_evicts_a_busy_or_pinned_model():
                    loaded("idle", 3, last_used=9), asleep("b", 4))
     decision = plan_load("b", models, 12 * GiB)
     assert decision == EvictFirst(("idle",))
+    # A busy model is drained (fed nothing new until it is idle), not evicted under its requests.
     models = fleet(loaded("busy", 4, busy=True), loaded("pin", 4, pinned=True), asleep("b", 4))
     decision = plan_load("b", models, 10 * GiB)
-    assert isinstance(decision, Wait) and "busy models hold 4096 MiB" in decision.reason
+    assert isinstance(decision, Drain) and decision.models == ("busy",)
+    assert "busy (4096 MiB)" in decision.reason
 
 
 def test_one_load_at_a_time():
@@ -60,9 +63,10 @@ def test_refuses_what_can_never_fit_naming_the_sizes():
     decision = plan_load("big", fleet(asleep("big", 12)), 10 * GiB)
     assert isinstance(decision, Refuse)
     assert "12288 MiB" in decision.reason and "10240 MiB" in decision.reason
-    # Pinned models holding the room make it wait, not refuse: they sleep when idle all the same.
+    # Pinned models holding the room make it wait, not refuse, when they sleep when idle.
     decision = plan_load("b", fleet(loaded("pin", 8, pinned=True), asleep("b", 4)), 10 * GiB)
     assert isinstance(decision, Wait)
+    assert "pin (8192 MiB, pinned, idle)" in decision.reason  # named with its size, never "0 MiB"
 
 
 def test_a_resident_model_starts_at_once():
@@ -74,6 +78,67 @@ def test_failed_and_sleeping_models_hold_nothing():
     assert plan_load("b", models, 10 * GiB) == StartNow()
 
 
+def test_refuses_at_once_what_cannot_fit_beside_pinned_models_that_never_sleep():
+    """Waiting could only block the loads behind it: the pinned, never-sleeping model never leaves."""
+    pin = loaded("pin", 8, pinned=True, sleeps_when_idle=False)
+    decision = plan_load("b", fleet(pin, loaded("idle", 1), asleep("b", 4)), 10 * GiB)
+    assert isinstance(decision, Refuse) and decision.code == "model_too_large"
+    assert "pin (8192 MiB)" in decision.reason and "4096 MiB" in decision.reason and "2048 MiB" in decision.reason
+    # Even while another load is under way: the answer does not depend on it.
+    waking = ModelView("w", GiB, True, S.WAKING, 0)
+    assert isinstance(plan_load("b", fleet(pin, waking, asleep("b", 4)), 10 * GiB), Refuse)
+    # One that fits beside it is not refused: the idle one makes room.
+    assert plan_load("b", fleet(pin, loaded("idle", 1), asleep("b", 2)), 10 * GiB) == EvictFirst(("idle",))
+    # A pinned model that sleeps when idle, or one already going to sleep, does leave: wait.
+    assert isinstance(plan_load("b", fleet(loaded("pin", 8, pinned=True), asleep("b", 4)), 10 * GiB), Wait)
+    going = ModelView("pin", 8 * GiB, True, S.UNLOADING, 0, pinned=True, sleeps_when_idle=False)
+    assert isinstance(plan_load("b", fleet(going, asleep("b", 4)), 10 * GiB), Wait)
+    # An unpinned model that never sleeps is evicted when idle, drained when busy.
+    never = loaded("never", 8, sleeps_when_idle=False)
+    assert plan_load("b", fleet(never, asleep("b", 4)), 10 * GiB) == EvictFirst(("never",))
+    never_busy = loaded("never", 8, sleeps_when_idle=False, busy=True)
+    assert isinstance(plan_load("b", fleet(never_busy, asleep("b", 4)), 10 * GiB), Drain)
+
+
+def test_evicts_the_fewest_idle_models_least_recently_used_among_equals():
+    # One recent 6 GiB model rather than two older 3 GiB ones: one reload later, not two.
+    models = fleet(loaded("old", 3, last_used=1), loaded("mid", 3, last_used=2), loaded("new", 6, last_used=3),
+                   asleep("b", 6))
+    assert plan_load("b", models, 12 * GiB) == EvictFirst(("new",))
+    # Among sets of one size: the one whose newest member is the oldest.
+    models = fleet(loaded("a", 3, last_used=1), loaded("b", 2, last_used=2), loaded("c", 3, last_used=3),
+                   loaded("d", 5, last_used=4), asleep("t", 7))
+    assert plan_load("t", models, 14 * GiB) == EvictFirst(("a", "c"))  # {a, c}, not {b, d} nor {a, d}
+    # Equal sizes and times: by id, so the answer never depends on dict order.
+    models = fleet(loaded("y", 4, last_used=1), loaded("x", 4, last_used=1), asleep("t", 4))
+    assert plan_load("t", models, 8 * GiB) == EvictFirst(("x",))
+
+
+def test_drains_the_fewest_busy_models_only_when_idle_ones_cannot_make_room():
+    models = fleet(loaded("idle", 1, last_used=5), loaded("old", 4, busy=True, last_used=1),
+                   loaded("new", 4, busy=True, last_used=2), loaded("big", 6, busy=True, last_used=0), asleep("t", 5))
+    decision = plan_load("t", models, 16 * GiB)  # free 1, the idle one 1 more: 3 more are needed
+    assert isinstance(decision, Drain) and decision.models == ("big",)  # one is enough: the least recently used
+    assert "big (6144 MiB)" in decision.reason
+    # Once the drained one is idle it is the one evicted; the small idle one stays.
+    models = {**models, "big": loaded("big", 6, last_used=0)}
+    assert plan_load("t", models, 16 * GiB) == EvictFirst(("big",))
+    # A busy pinned model is never drained: nothing else would make room, so it waits, naming it.
+    models = fleet(loaded("pin", 8, pinned=True, busy=True), asleep("t", 4))
+    decision = plan_load("t", models, 10 * GiB)
+    assert isinstance(decision, Wait) and "pin (8192 MiB, pinned, busy)" in decision.reason
+    # Draining is only worth it when it is enough: here the pinned one must go as well.
+    models = fleet(loaded("pin", 4, pinned=True, busy=True), loaded("busy", 4, busy=True), asleep("t", 8))
+    assert isinstance(plan_load("t", models, 10 * GiB), Wait)
+
+
+def test_fewest_to_free():
+    a, b, c = loaded("a", 1, last_used=3), loaded("b", 2, last_used=2), loaded("c", 3, last_used=1)
+    assert fewest_to_free([a, b, c], 0) == ()
+    assert fewest_to_free([a, b, c], 7 * GiB) is None
+    assert fewest_to_free([a, b, c], 6 * GiB) == (c, b, a)
+    assert fewest_to_free([a, b, c], 2 * GiB) == (c,)  # b is enough too, but c is older
+    assert fewest_to_free([a, b, c], 4 * GiB) == (c, b)  # {a, c} too, but a is the most recently used
 STATES = [S.READY, S.READY, S.READY, S.SLEEPING, S.SLEEPING, S.UNLOADING, S.WAKING, S.FAILED]
 
 
@@ -82,12 +147,32 @@ def random_fleet(rng: random.Random) -> dict[str, ModelView]:
     for i in range(rng.randrange(2, 7)):
         state = rng.choice(STATES)
         resident = state in (S.READY, S.UNLOADING) or (state is S.WAKING and rng.random() < 0.5)
-        models[f"m{i}"] = ModelView(f"m{i}", rng.randrange(1, 8) * GiB, resident, state, rng.random(),
-                                    busy=state is S.READY and rng.random() < 0.3, pinned=rng.random() < 0.15)
+        models[f"m{i}"] = ModelView(f"m{i}", rng.randrange(1, 8) * GiB, resident, state, rng.randrange(4),
+                                    busy=state is S.READY and rng.random() < 0.4, pinned=rng.random() < 0.2,
+                                    sleeps_when_idle=rng.random() < 0.7)
     return models
 
 
-@pytest.mark.parametrize("seed", range(500))
+def subsets_that_free(candidates: list[ModelView], need: int) -> list[tuple[ModelView, ...]]:
+    """Every subset of `candidates` that frees `need` bytes, by brute force."""
+    return [combo for k in range(len(candidates) + 1) for combo in itertools.combinations(candidates, k)
+            if sum(m.bytes for m in combo) >= need]
+
+
+def recency(models) -> list[float]:
+    """How recently a set was used, newest member first: smaller is less recently used."""
+    return sorted((m.last_used for m in models), reverse=True)
+
+
+def assert_fewest_then_least_recent(chosen: tuple[ModelView, ...], candidates: list[ModelView], need: int):
+    assert sum(m.bytes for m in chosen) >= need  # it makes room
+    fitting = subsets_that_free(candidates, need)
+    fewest = min(len(c) for c in fitting)
+    assert len(chosen) == fewest  # minimal: no smaller set makes room
+    assert recency(chosen) == min(recency(c) for c in fitting if len(c) == fewest)  # least recently used of those
+
+
+@pytest.mark.parametrize("seed", range(1000))
 def test_random_fleets(seed):
     rng = random.Random(seed)
     models = random_fleet(rng)
@@ -99,25 +184,31 @@ def test_random_fleets(seed):
     want = models[target].bytes
     others = [m for m in models.values() if m.id != target and m.resident]
     held = sum(m.bytes for m in others)
+    staying = sum(m.bytes for m in others if m.never_leaves)
+    loading = any(m.state in (S.LOADING, S.WAKING) for m in others)
+    coming_back = sum(m.bytes for m in others if m.state in (S.UNLOADING, S.STOPPING))
+    idle = [m for m in others if m.evictable]
+    drainable = [m for m in others if m.drainable]
+    need = held - coming_back + want - budget  # what has still to be freed once the teardowns end
     decision = plan_load(target, models, budget)
+    # Refused exactly when only models that never leave block: everything else leaves in time.
+    assert isinstance(decision, Refuse) == (want > budget - staying)
     if isinstance(decision, StartNow):
         assert held + want <= budget  # never over the budget
-        assert not any(m.state in (S.LOADING, S.WAKING) for m in others)  # one load at a time
+        assert not loading  # one load at a time
     elif isinstance(decision, EvictFirst):
-        victims = [models[v] for v in decision.victims]
-        assert all(v.evictable for v in victims)  # never busy, pinned, loading or the target
+        victims = tuple(models[v] for v in decision.victims)
         assert target not in decision.victims
-        coming_back = sum(m.bytes for m in others if m.state is S.UNLOADING)
-        assert held - coming_back - sum(v.bytes for v in victims) + want <= budget  # then it fits
-        assert held - coming_back - sum(v.bytes for v in victims[:-1]) + want > budget  # and no more were taken
-        rest = [m for m in others if m.evictable and m.id not in decision.victims]
-        assert all(m.last_used >= max(v.last_used for v in victims) for m in rest)  # least recently used first
-    elif isinstance(decision, Refuse):
-        assert want > budget
-    else:
-        assert isinstance(decision, Wait)
-        loading = any(m.state in (S.LOADING, S.WAKING) for m in others)
-        evictable = sum(m.bytes for m in others if m.evictable or m.state is S.UNLOADING)
+        assert all(v.evictable for v in victims)  # never busy, pinned, loading or asleep
+        assert not any(v.busy or v.pinned for v in victims)
+        assert_fewest_then_least_recent(victims, idle, need)
+    elif isinstance(decision, Drain):
+        drained = tuple(models[d] for d in decision.models)
+        assert all(d.drainable and not d.pinned for d in drained)  # busy, and evictable once it is done
+        assert not loading and need > 0
+        assert sum(m.bytes for m in idle) < need  # the idle ones alone could not make room
+        assert_fewest_then_least_recent(drained, drainable, need - sum(m.bytes for m in idle))
+    elif isinstance(decision, Wait):
         assert loading or held + want > budget  # it does not fit now
-        if not loading and not any(m.state is S.UNLOADING for m in others):
-            assert held - evictable + want > budget  # evicting everything it may would not be enough
+        if not loading and need > 0:
+            assert sum(m.bytes for m in idle + drainable) < need  # neither evicting nor draining would be enough
