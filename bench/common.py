@@ -34,15 +34,16 @@ def free_port() -> int:
 
 
 class Daemon:
-    def __init__(self, *args: str, model: str | None, threads: int | None = 2) -> None:
-        """model/threads None: left to the other arguments (a fleet's --config sets them per model)."""
+    def __init__(self, *args: str, model: str | None, threads: int | None = 2, env: dict[str, str] | None = None) -> None:
+        """model/threads None: left to the other arguments (a fleet's --config sets them per model);
+        env: DORMOUSE_* settings added to this environment."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         chosen = [*(["--model", model] if model else []), *(["--threads", str(threads)] if threads else [])]
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "daemon", "serve", "--port", str(self.port), *chosen,
              "--log-format", "json", "--log-level", "warning", *args],
-            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ, **(env or {})})
         self.http = httpx.Client(base_url=self.url, timeout=300)
 
     def wait_state(self, *states: str, timeout: float = 120) -> None:

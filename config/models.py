@@ -36,7 +36,7 @@ _UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
 # The keys a [models.ID] table may set; the rest of the settings are the daemon's.
 PER_MODEL_KEYS = ("model_draft", "mmproj", "ctx_size", "parallel", "threads", "n_gpu_layers", "batch_size",
                   "chat_template_file", "draft_max", "draft_min", "draft_p_min", "cpu_repack", "warmup",
-                  "sleep_idle_seconds", "spawn_ahead", "embeddings", "pooling")
+                  "sleep_idle_seconds", "spawn_ahead", "embeddings", "pooling", "cache_deterministic")
 
 
 def parse_size(value: int | str) -> int:
@@ -83,6 +83,7 @@ class ModelSettings(BaseModel):
     spawn_ahead: bool | None = None
     embeddings: bool | None = None
     pooling: Literal["mean", "cls", "last"] | None = None
+    cache_deterministic: bool | None = None
 
     @field_validator("aliases")
     @classmethod

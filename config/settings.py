@@ -118,6 +118,14 @@ class Settings(BaseSettings):
         None, description="bytes the models may hold together (an int, or '20GiB'); default: the GPU's total less "
                           "1 GiB, or on CPU 75% of the RAM available at start (dormouse check-config prints it)")
 
+    # -- the prompt cache: what it may change --
+    cache_deterministic: bool = Field(
+        False, description="true: reuse and restore cached prompt tokens only in whole prompt chunks (batch_size) "
+                           "counted from position 0, so a greedy answer is token for token the one a fresh read "
+                           "gives (python -m bench.cache_rule prints the cost: more of each turn is read again); "
+                           "false: reuse every shared token that llama.cpp still holds (answers may differ from a "
+                           "fresh read in later tokens, as llama.cpp's kernels differ by batch size)")
+
     # -- the prompt cache across sleeps --
     kv_cache_min_tokens: int = Field(256, ge=1, le=2**24,
                                      description="a slot's cached prefix at least this long is saved at sleep")

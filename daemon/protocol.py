@@ -64,6 +64,7 @@ class ModelSpec(msgspec.Struct, omit_defaults=True):
     kv_disk_bytes: int = 0  # the files' budget; least recently used go first
     embeddings: bool = False  # an embeddings model: a pooled context, no generation
     pooling: str = "mean"  # mean, cls or last (with embeddings)
+    cache_deterministic: bool = False  # True: reuse whole prompt chunks only, the same greedy answer as a fresh read
 
     # What one llama_decode may carry, shared by the worker (which sizes its
     # context with it) and the daemon's footprint prediction (which must match).
@@ -141,6 +142,7 @@ class Submit(Message):
     messages: list[ChatMessage] | None = None  # chat completions
     tools: list[Tool] = []  # chat: given to the chat template (or described in a system turn)
     n: int = 1  # choices: the prompt is decoded once and its KV copied to n - 1 more slots
+    cache_prompt: bool = True  # False: read the whole prompt, keep nothing cached (llama-server's cache_prompt)
 
 
 class Cancel(Message):

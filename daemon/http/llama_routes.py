@@ -124,7 +124,7 @@ async def completion(request: web.Request) -> web.StreamResponse:
         raise ApiError(400, "n_predict: 0 predicts nothing; use /tokenize to count a prompt's tokens", "invalid_value",
                        param="n_predict")
     params = body.sampling(n_predict, grammar, body.n_probs or None)
-    job = model.controller.new_job("completion", params, prompt=body.prompt)
+    job = model.controller.new_job("completion", params, prompt=body.prompt, cache_prompt=body.cache_prompt)
     async with tracked(request, model, job, body.stream):
         item = await _first_item(request, model, job)
         if _is_failure(item):

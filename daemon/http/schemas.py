@@ -443,7 +443,7 @@ class NativeCompletionRequest(SamplingFields):
 
     prompt: str | Annotated[list[TokenId], Field(min_length=1)]
     n_predict: int = Field(-1, ge=-1, le=1_000_000, description="-1: until the end of generation or of the slot's context")
-    cache_prompt: bool = Field(True, description="accepted; the prompt cache is always on")
+    cache_prompt: bool = Field(True, description="false: read the whole prompt, reuse nothing cached")
     n_probs: int = Field(0, ge=0, le=MAX_TOP_LOGPROBS, description="the most likely tokens at each position")
 
     @field_validator("prompt", mode="before")

@@ -183,13 +183,16 @@ class Controller:
         await self.supervisor.close()
         # Requests that arrived after the decision to exit (still in the mailbox)
         # are answered too: nothing is left waiting on a daemon that is gone.
+        self.held.clear()
         for request_id in list(self.jobs):
             self._fail(request_id, JobFailure(503, "shutting_down", "server is shutting down"))
         self.stopped.set()
 
-    def new_job(self, endpoint: str, params: p.SamplingParams, prompt=None, messages=None, tools=(), n: int = 1) -> Job:
+    def new_job(self, endpoint: str, params: p.SamplingParams, prompt=None, messages=None, tools=(), n: int = 1,
+                cache_prompt: bool = True) -> Job:
         """A generation: answered by Tokens (of n choices), then one Done."""
-        submit = p.Submit(_request_id(endpoint), params, prompt=prompt, messages=messages, tools=list(tools), n=n)
+        submit = p.Submit(_request_id(endpoint), params, prompt=prompt, messages=messages, tools=list(tools), n=n,
+                          cache_prompt=cache_prompt)
         return self._accept(Job(submit, endpoint))
 
     def new_query(self, endpoint: str, kind: str, **fields) -> Job:
@@ -480,6 +483,7 @@ class Controller:
             kv_disk_bytes=s.kv_cache_disk_bytes,
             embeddings=s.embeddings,
             pooling=s.pooling,
+            cache_deterministic=s.cache_deterministic,
         )
 
     # -- from the worker ------------------------------------------------------------

@@ -23,6 +23,7 @@ from daemon.worker.chat import END_OF_TURN_MARKERS, ChatRenderer, ChatTemplateEr
 from daemon.worker.errors import RequestError
 from daemon.worker.llama_lib import llama
 from daemon.protocol import VERIFY_GROUP
+from daemon.worker.reuse import ReuseRule
 from daemon.worker.runtime import Runtime
 from daemon.worker.sampling import SamplerChain
 from daemon.worker.slot import Choices, Job, Slot, choose_slot
@@ -49,6 +50,9 @@ class Engine:
         self.n_ctx_slot = llama.llama_n_ctx_seq(self.ctx)
         self.memory = llama.llama_get_memory(self.ctx)
         self.slots = [Slot(i) for i in range(runtime.spec.parallel)]
+        self.reuse = ReuseRule(self.n_batch, max(0, llama.llama_model_n_swa(runtime.model)),
+                               chunked_window=runtime.meta("general.architecture") == "llama4",
+                               deterministic=runtime.spec.cache_deterministic)
         self.queue: deque[p.Submit] = deque()
         self.batch = llama.llama_batch_init(runtime.spec.step_capacity(), 0, 1)
         self.add_bos = bool(llama.llama_vocab_get_add_bos(self.vocab))
@@ -73,7 +77,7 @@ class Engine:
             from daemon.worker.kv_cache import SavedPrompts
 
             try:
-                self.saved = SavedPrompts(self.ctx, runtime.model, runtime.spec)
+                self.saved = SavedPrompts(self.ctx, runtime.model, runtime.spec, self.reuse)
             except OSError as exc:  # the state directory is unreadable: serve without it
                 print(f"dormouse worker: saved prompt caches unavailable: {exc}", file=sys.stderr, flush=True)
         self.embeddings_only = runtime.spec.embeddings
@@ -298,9 +302,13 @@ class Engine:
             except Exception as exc:  # noqa: BLE001 - a bug in one request's setup fails that request only
                 self.emit(p.Done(msg.request_id, "error", error=f"internal error: {exc!r}", error_code="internal_error"))
                 continue
-            slot = choose_slot(idle, tokens)
-            restored = self.saved.restore(slot, tokens) if self.saved is not None else (0, 0.0, "", None)
-            self._assign(slot, msg, tokens, sampler)
+            if msg.cache_prompt:
+                slot = choose_slot(idle, tokens, lambda s: self.keepable(s, tokens))
+                restored = self.saved.restore(slot, tokens, self.keepable(slot, tokens)) if self.saved is not None \
+                    else (0, 0.0, "", None)
+            else:  # the client asked for a fresh read: the least recently used slot, nothing kept
+                slot, restored = min(idle, key=lambda s: (s.last_used, s.id)), (0, 0.0, "", None)
+            self._assign(slot, msg, tokens, sampler, self.keepable(slot, tokens) if msg.cache_prompt else 0)
             job = slot.job
             if msg.n > 1:  # the other choices' slots wait, least recently used first, for the prompt's KV
                 others = sorted((s for s in idle if s is not slot), key=lambda s: (s.last_used, s.id))[:msg.n - 1]
@@ -309,6 +317,8 @@ class Engine:
                     other.reserved_for = job.group
             job.restored_tokens, job.restore_seconds, job.kv_lookup, job.kv_rejected = restored
             job.restored_tokens = min(job.restored_tokens, job.n_cached)  # the last token is decoded again
+            if job.kv_lookup == "hit" and not job.restored_tokens:  # llama.cpp held less than predicted: no help
+                job.kv_lookup = "miss"
             if msg.messages is not None:
                 slot.job.end_tokens = self.end_of_turn
 
@@ -332,7 +342,7 @@ class Engine:
                 break  # a choice failed at its first token: _end_choices freed the rest
             llama.llama_memory_seq_rm(self.memory, other.id, -1, -1)
             llama.llama_memory_seq_cp(self.memory, slot.id, other.id, -1, -1)
-            other.cache = list(slot.cache)
+            other.cache, other.exact = list(slot.cache), slot.exact  # the same cells: nothing to trim
             params = job.params if job.params.seed is None else msgspec.structs.replace(
                 job.params, seed=(job.params.seed + i) % 2**32)  # a set seed still gives n different choices
             sampler = SamplerChain(params, self.n_vocab, self.n_ctx_slot, self.vocab, grammar_of=job.sampler)
@@ -353,7 +363,7 @@ class Engine:
         from daemon.worker.multimodal import MediaError
 
         llama.llama_memory_seq_rm(self.memory, slot.id, -1, -1)
-        slot.cache.clear()
+        slot.truncate(0)
         if self.speculator is not None:
             self.speculator.forget(slot)
         try:
@@ -372,15 +382,22 @@ class Engine:
         self._slots_changed = True
         self._on_logits(slot, -1)  # mtmd left the last position's logits
 
-    def _assign(self, slot: Slot, msg: p.Submit, tokens: list[int], sampler: SamplerChain) -> None:
-        reuse = slot.common_prefix(tokens)
-        if reuse == len(tokens):
-            reuse -= 1  # the last prompt token is decoded again for its logits
+    def keepable(self, slot: Slot, tokens: list[int]) -> int:
+        """How many of `tokens` the slot may keep (reuse.ReuseRule: the one rule)."""
+        shared = slot.common_prefix(tokens)
+        if shared == 0:
+            return 0
+        return self.reuse.keepable(shared, len(tokens), slot.exact,
+                                   llama.llama_memory_seq_pos_min(self.memory, slot.id))
+
+    def _assign(self, slot: Slot, msg: p.Submit, tokens: list[int], sampler: SamplerChain, reuse: int) -> None:
         if reuse < len(slot.cache) and not llama.llama_memory_seq_rm(self.memory, slot.id, reuse, -1):
-            llama.llama_memory_seq_rm(self.memory, slot.id, -1, -1)  # partial removal refused: start over
-            reuse = 0
-        del slot.cache[reuse:]
-        slot.job = Job(msg.request_id, tokens, msg.params, sampler, n_prompt_done=reuse, n_cached=reuse)
+            reuse = 0  # partial removal refused (a recurrent model): start over
+        if reuse == 0:
+            llama.llama_memory_seq_rm(self.memory, slot.id, -1, -1)
+        slot.truncate(reuse)
+        slot.job = Job(msg.request_id, tokens, msg.params, sampler, n_prompt_done=reuse, n_cached=reuse,
+                       exact_from=slot.exact)
         slot.last_used = time.monotonic()
         slot.move(SlotState.STARTED)
         self._slots_changed = True
@@ -427,6 +444,8 @@ class Engine:
             end = min(len(job.prompt), job.n_prompt_done + self.n_batch)
             entries = [(slot, job.prompt[i], i == len(job.prompt) - 1) for i in range(job.n_prompt_done, end)]
             job.n_prompt_done = end
+            # Before the decode: its last logits may fork n choices, which copy `exact`; a failed decode zeroes it.
+            slot.exact = self.reuse.exact_after_read(job.n_cached, job.exact_from, end)
             self._decode(entries)
         self.report_slots()
 
@@ -456,7 +475,7 @@ class Engine:
                 rejected_from = first_pos + j + 1
                 if rejected_from < len(slot.cache):
                     llama.llama_memory_seq_rm(self.memory, slot.id, rejected_from, -1)
-                    del slot.cache[rejected_from:]
+                    slot.truncate(rejected_from)
                 return
             i += len(group)
 
@@ -488,7 +507,7 @@ class Engine:
         # The batch failed: the slots in it lose their cache and their request.
         for slot in slots:
             llama.llama_memory_seq_rm(self.memory, slot.id, -1, -1)
-            slot.cache.clear()
+            slot.truncate(0)
             if slot.job is not None:
                 self._finish(slot, "error", error=f"llama_decode failed ({rc})", code="decode_failed")
 

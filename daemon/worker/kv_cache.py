@@ -17,13 +17,17 @@ from daemon import protocol as p
 from daemon.model.kv_files import (FORMAT_VERSION, KvEntry, KvFileError, KvHeader, KvIndex, checksum,
                                    model_fingerprint, read_header, read_state, write_file)
 from daemon.worker.llama_lib import llama
-from daemon.worker.slot import Slot
+from daemon.worker.reuse import ReuseRule
+from daemon.worker.slot import Slot, common_prefix
 
 
-def context_layout(ctx: ctypes.c_void_p, model: ctypes.c_void_p) -> dict[str, object]:
-    """What decides whether saved KV bytes mean the same thing in a new context."""
+def context_layout(ctx: ctypes.c_void_p, model: ctypes.c_void_p, rule: ReuseRule) -> dict[str, object]:
+    """What decides whether saved KV bytes mean the same thing in a new context,
+    and whether they were decoded as a fresh read decodes them (the chunk size
+    of the deterministic mode; 0: saved without that promise)."""
     params = llama.llama_context_default_params()  # the worker keeps llama.cpp's cache types and SWA mode
     return {
+        "exact_chunk": rule.chunk if rule.deterministic else 0,
         "llama_cpp": metadata.version("llama_cpp_python"),
         "n_ctx_slot": llama.llama_n_ctx_seq(ctx),
         "n_layer": llama.llama_model_n_layer(model),
@@ -35,25 +39,27 @@ def context_layout(ctx: ctypes.c_void_p, model: ctypes.c_void_p) -> dict[str, ob
 
 
 class SavedPrompts:
-    def __init__(self, ctx: ctypes.c_void_p, model: ctypes.c_void_p, spec: p.ModelSpec) -> None:
+    def __init__(self, ctx: ctypes.c_void_p, model: ctypes.c_void_p, spec: p.ModelSpec, rule: ReuseRule) -> None:
         self.ctx = ctx
         self.memory = llama.llama_get_memory(ctx)
+        self.rule = rule
         self.min_tokens = spec.kv_min_tokens
         self.budget = spec.kv_disk_bytes
-        self.index = KvIndex.scan(Path(spec.kv_dir), model_fingerprint(spec.model), context_layout(ctx, model))
+        self.index = KvIndex.scan(Path(spec.kv_dir), model_fingerprint(spec.model), context_layout(ctx, model, rule))
         self.rejected_at_load = dict(self.index.rejected)
 
     # -- after a wake -------------------------------------------------------------
 
-    def restore(self, slot: Slot, tokens: list[int]) -> tuple[int, float, str, str | None]:
-        """Restore the longest saved prefix of `tokens` into `slot` when it beats
-        what the slot holds. Returns (tokens restored, seconds, lookup, rejected reason):
+    def restore(self, slot: Slot, tokens: list[int], live: int) -> tuple[int, float, str, str | None]:
+        """Restore the saved entry that lets `tokens` keep the most (by longest
+        common prefix, within the reuse rule) into `slot` when that beats the
+        `live` tokens the slot may keep now. The engine then trims it with the
+        same rule. Returns (tokens restored, seconds, lookup, rejected reason):
         lookup is "hit", "miss", or "" when there was nothing to look for."""
-        live = slot.common_prefix(tokens)
         if len(tokens) < self.min_tokens or not self.index.entries:
             return 0, 0.0, "", None
-        entry = self.index.longest_prefix_of(tokens, longer_than=live)
-        if entry is None:
+        entry, keep = self._best(tokens)
+        if entry is None or keep <= live:
             return 0, 0.0, ("miss" if live < self.min_tokens else ""), None
         start = time.perf_counter()
         try:
@@ -75,11 +81,25 @@ class SavedPrompts:
             self._reject(entry, "corrupt")
             return 0, time.perf_counter() - start, "miss", "corrupt"
         slot.cache[:] = entry.tokens
+        slot.exact = len(entry.tokens) if self.rule.deterministic else 0  # the layout says how they were saved
         try:
             self.index.touch(entry)  # least recently used goes first; best effort
         except OSError:
             pass
         return len(entry.tokens), time.perf_counter() - start, "hit", None
+
+    def _best(self, tokens: list[int]) -> tuple[KvEntry | None, int]:
+        """The entry that would keep the most of `tokens`, and how many. A saved
+        state holds only the last window of sliding-window layers, so an entry
+        can be trimmed only as far as its window allows (ReuseRule)."""
+        best, most = None, 0
+        for entry in self.index.entries:
+            shared = common_prefix(entry.tokens, tokens)
+            keep = self.rule.keepable(shared, len(tokens), exact=len(entry.tokens),
+                                      pos_min=self.rule.lowest_saved(len(entry.tokens)))
+            if keep > most:
+                best, most = entry, keep
+        return best, most
 
     def _reject(self, entry: KvEntry, reason: str) -> None:
         try:
@@ -105,10 +125,14 @@ class SavedPrompts:
         written = saved = errors = 0
         for slot in slots:
             tokens = slot.cache[:slot.cache.index(-1)] if -1 in slot.cache else list(slot.cache)
+            if self.rule.deterministic:
+                del tokens[slot.exact:]  # only cells a fresh read would hold bit for bit
             if len(tokens) < self.min_tokens or self.index.longest_prefix_of(tokens, len(tokens) - 1):
                 continue  # too short to be worth a file, or already saved as it is
+            if llama.llama_memory_seq_pos_min(self.memory, slot.id) > self.rule.lowest_needed(len(tokens)):
+                continue  # the window no longer holds what the next decode after them would read
             try:
-                if len(tokens) < len(slot.cache):  # an image follows: its cells are not saved
+                if len(tokens) < len(slot.cache):  # an image or inexact cells follow: not saved
                     llama.llama_memory_seq_rm(self.memory, slot.id, len(tokens), -1)
                 size = llama.llama_state_seq_get_size(self.ctx, slot.id)
                 if size > self.budget:

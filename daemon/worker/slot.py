@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 from daemon.protocol import SamplingParams
 from daemon.worker.sampling import SamplerChain
@@ -24,6 +25,7 @@ class Job:
     stops: StopMatcher = field(init=False)
     n_prompt_done: int = 0  # prompt tokens already in the KV cache
     n_cached: int = 0  # of those, reused from the previous request
+    exact_from: int = 0  # the slot's `exact` when the read began (reuse.ReuseRule.exact_after_read)
     n_generated: int = 0
     n_drafted: int = 0  # tokens the draft model proposed
     n_accepted: int = 0  # of those, tokens the target agreed with
@@ -69,20 +71,31 @@ class Slot:
         self.id = seq_id
         self.state = SlotState.IDLE
         self.cache: list[int] = []  # tokens whose K/V this sequence holds, in order
+        self.exact = 0  # leading cells decoded in whole prompt chunks from 0, as a fresh read decodes them
         self.job: Job | None = None
         self.reserved_for: Choices | None = None  # held for a choice that waits for its prompt's KV
         self.last_used = 0.0  # monotonic time its last request started; 0: never used
+
+    def truncate(self, n: int) -> None:
+        """Forget the cells from position n on (the caller removed them from llama.cpp)."""
+        del self.cache[n:]
+        self.exact = min(self.exact, n)
 
     def move(self, new: SlotState) -> None:
         self.state = check_slot_transition(self.state, new)
 
     def common_prefix(self, tokens: list[int]) -> int:
-        n = 0
-        for a, b in zip(self.cache, tokens):
-            if a != b:
-                break
-            n += 1
-        return n
+        return common_prefix(self.cache, tokens)
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """How many leading tokens two lists share."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
 
 
 # A cached prefix must cover more than this share of a new prompt to claim its
@@ -92,11 +105,13 @@ class Slot:
 PROMPT_SIMILARITY = 0.1
 
 
-def choose_slot(idle: list[Slot], tokens: list[int]) -> Slot:
-    """The idle slot for a prompt: the longest cached prefix when it is a real
-    share of the prompt, else an empty slot, else the least recently used."""
-    best = max(idle, key=lambda s: s.common_prefix(tokens))
-    shared = best.common_prefix(tokens)
-    if shared > 1 and shared > PROMPT_SIMILARITY * len(tokens):
+def choose_slot(idle: list[Slot], tokens: list[int], keepable: Callable[[Slot], int]) -> Slot:
+    """The idle slot for a prompt: the most tokens it may keep (reuse.ReuseRule,
+    not the raw common prefix: a slot whose window lost the shared header
+    keeps nothing) when that is a real share of the prompt, else an empty
+    slot, else the least recently used."""
+    kept = {s.id: keepable(s) for s in idle}
+    best = max(idle, key=lambda s: kept[s.id])
+    if kept[best.id] > 1 and kept[best.id] > PROMPT_SIMILARITY * len(tokens):
         return best
     return min(idle, key=lambda s: (s.last_used, s.id))

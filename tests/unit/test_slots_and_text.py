@@ -59,15 +59,18 @@ def test_slot_choice_keeps_other_conversations_cached():
     used = _slot(0, [bos, 10, 11, 12, 13, 14, 15, 16, 17, 18], last_used=5.0)
     empty = [_slot(i, [], 0.0) for i in (1, 2, 3)]
     unrelated = [bos, 50, 51, 52, 53, 54, 55, 56, 57, 58]
-    assert choose_slot([used, *empty], unrelated).id == 1
+    assert choose_slot([used, *empty], unrelated, lambda s: s.common_prefix(unrelated)).id == 1
     # The same conversation, one turn later, goes back to its slot.
-    assert choose_slot([used, *empty], [bos, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20]).id == 0
+    turn = [bos, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20]
+    assert choose_slot([used, *empty], turn, lambda s: s.common_prefix(turn)).id == 0
 
 
 def test_slot_choice_takes_the_least_recently_used_when_all_are_used():
     from daemon.worker.slot import choose_slot
 
     slots = [_slot(0, [2, 1, 1], 9.0), _slot(1, [2, 3, 3], 3.0), _slot(2, [2, 4, 4], 6.0)]
-    assert choose_slot(slots, [2, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7]).id == 1
+    prompt = [2, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7]
+    assert choose_slot(slots, prompt, lambda s: s.common_prefix(prompt)).id == 1
     # A real share wins over recency.
-    assert choose_slot(slots, [2, 4, 4, 5]).id == 2
+    prompt = [2, 4, 4, 5]
+    assert choose_slot(slots, prompt, lambda s: s.common_prefix(prompt)).id == 2
