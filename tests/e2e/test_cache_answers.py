@@ -130,19 +130,22 @@ def test_an_unrelated_chat_after_a_restore_is_answered_as_a_fresh_read(start_dae
     """The report: an 818-token chat, a sleep, its next turn (restored), then an
     unrelated short chat that shares only the template header landed on the
     restored slot, whose window layers held nothing below position ~300, and
-    answered 'user\\nuser\\n...'. Default settings but the state directory."""
-    d = start_daemon("--sleep-idle-seconds", "-1", "--state-dir", str(tmp_path / "state"))
+    answered garbage ('user\nuser\n...'). One slot, so that it must land there."""
+    d = start_daemon("--parallel", "1", "--sleep-idle-seconds", "-1", "--state-dir", str(tmp_path / "state"))
+    fresh = start_daemon("--parallel", "1", "--sleep-idle-seconds", "-1", "--state-dir", str(tmp_path / "fresh"))
     d.wait_state("ready")
+    fresh.wait_state("ready")
     rng = random.Random(818)
-    turn1 = [{"role": "user", "content": words(rng, 780)}]
-    first, _, n1, _ = complete(d, chat_text(d, turn1), cache=True)
+    history = [{"role": "user", "content": words(rng, 780)}]
+    answer, _, n1, _ = complete(d, chat_text(d, history), cache=True)
     assert 700 < n1 < 1000
-    assert d.http.post("/sleep").status_code == 200
-    turn2 = turn1 + [{"role": "assistant", "content": first}, {"role": "user", "content": "And then?"}]
-    _, restored, _, _ = complete(d, chat_text(d, turn2), cache=True)
-    assert restored > 0
-    for _ in range(4):  # every slot, the restored one included, takes an unrelated chat in turn
+    for _ in range(2):
+        assert d.http.post("/sleep").status_code == 200
+        history += [{"role": "assistant", "content": answer}, {"role": "user", "content": words(rng, 5)}]
+        answer, restored, _, _ = complete(d, chat_text(d, history), cache=True)
+        assert restored > n1  # the conversation came back from disk
         unrelated = chat_text(d, [{"role": "user", "content": words(rng, 8)}])
-        answer, _, _, _ = complete(d, unrelated, cache=True)
-        reference, _, _, _ = complete(d, unrelated, cache=False)
-        assert answer == reference
+        got, kept, _, _ = complete(d, unrelated, cache=True)
+        reference, _, _, _ = complete(fresh, unrelated, cache=False)  # a daemon that never saw the long chat
+        assert kept == 0  # the shared header is not in the window layers: read from 0
+        assert got == reference
