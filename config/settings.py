@@ -146,6 +146,13 @@ class Settings(BaseSettings):
     shutdown_timeout: float = Field(30, ge=0, description="how long SIGTERM lets in-flight requests finish; with teardown_timeout it must fit systemd's TimeoutStopSec")
     state_dir: Path | None = Field(None, description="where the bundled model is written; default $STATE_DIRECTORY or ~/.cache/dormouse")
     worker_module: str = Field("daemon.worker", description="module run as the worker (tests use a fake)")
+    metrics_compat: Annotated[list[Literal["llamacpp", "vllm", "otel"]], NoDecode] = Field(
+        default_factory=list,
+        description="/metrics also carries the names other tools read, mapped from Dormouse's own: llamacpp "
+                    "(llama-server's `llamacpp:` series), vllm (vLLM's `vllm:` series: the Gateway API Inference "
+                    "Extension's endpoint picker, vLLM's Grafana dashboard), otel (OpenTelemetry GenAI's "
+                    "`gen_ai_server_*` histograms); empty: Dormouse's own only. A list, or names separated by commas; "
+                    "read at start")
 
     @field_validator("sleep_idle_seconds")
     @classmethod
@@ -189,6 +196,22 @@ class Settings(BaseSettings):
     @classmethod
     def _host_names(cls, value: list[str]) -> list[str]:
         return [normalize_host(name, strict=True) for name in value]
+
+    @field_validator("metrics_compat", mode="before")
+    @classmethod
+    def _compat_list(cls, value: Any) -> Any:
+        # From the environment: names separated by commas, or a JSON list; each once.
+        if isinstance(value, str):
+            if value.lstrip().startswith("["):
+                try:
+                    value = json.loads(value)
+                except ValueError:
+                    raise ValueError("is neither a JSON list nor names separated by commas") from None
+            else:
+                value = [part.strip() for part in value.split(",") if part.strip()]
+        if isinstance(value, list) and all(isinstance(name, str) for name in value):
+            return list(dict.fromkeys(value))
+        return value
 
     @field_validator("metrics_key")
     @classmethod

@@ -4,18 +4,34 @@ protocol). Base units, no colons, prefix dormouse_.
 Every per-model series carries a `model` label: `MetricFamilies` holds the
 families once per process (one registry), and `Metrics` is one model's view
 of them, with the same attribute names as the families, each already bound to
-the model. Code that serves one model never spells the label."""
+the model. Code that serves one model never spells the label.
+
+A few per-request facts (token counts, prefill and decode seconds, queue time,
+finish reason) are kept in families outside the registry: only the names other
+tools read (daemon/metrics_compat.py, `metrics_compat`) show them, so that
+Dormouse's own text is the same whether those are on or off."""
 
 from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from daemon.metrics_compat import CompatExport
 from statemachine import ServerState, SlotState
+
+if TYPE_CHECKING:
+    from daemon.protocol import Done
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1, 1.5, 2, 3, 5, 10, 30, 60)
 RESUME_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.75, 1, 1.5, 2, 3, 5, 10, 30, 60, 120)
 TOKEN_BUCKETS = (1, 4, 16, 64, 256, 1024, 4096, 16384)
+REQUEST_TOKEN_BUCKETS = (*(m * 10**e for e in range(6) for m in (1, 2, 5)), 10**6)  # 1, 2, 5, 10, ... as vLLM's
+# A Done's finish_reason -> the reason vLLM counts it under (request_success_total{finished_reason}).
+FINISH_REASONS = {"stop": "stop", "length": "length", "cancelled": "abort", "error": "error"}
 
 
 class Bound:
@@ -46,10 +62,47 @@ class MetricFamilies:
         r = self.registry = registry or CollectorRegistry()
         self.names: list[str] = []
         self._define(r)
+        self._define_request_detail()
         self.names = [name for name, value in vars(self).items() if hasattr(value, "_metrics")]
+        self._compat: CompatExport | None = None
 
-    def render(self) -> tuple[bytes, str]:
-        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+    def render(self, compat: Sequence[str] = ()) -> tuple[bytes, str]:
+        """Prometheus text: the registry's families; then, for each kind in
+        `compat` (llamacpp, vllm, otel), the names that kind's tools read."""
+        body = generate_latest(self.registry)
+        if compat:
+            if self._compat is None:  # it keeps the window of llama-server's throughput gauges
+                self._compat = CompatExport(self)
+            body += self._compat.render(compat)
+        return body, CONTENT_TYPE_LATEST
+
+    def _define_request_detail(self) -> None:
+        """Per request, at its Done: outside the registry (registry=None), read only
+        by the compatibility exports."""
+        M = ["model"]  # noqa: N806
+        self.request_prompt_tokens = Histogram(
+            "dormouse_request_prompt_tokens", "Prompt tokens of each finished generation", M,
+            buckets=REQUEST_TOKEN_BUCKETS, registry=None)
+        self.request_generation_tokens = Histogram(
+            "dormouse_request_generation_tokens", "Generated tokens of each finished generation (all choices)", M,
+            buckets=REQUEST_TOKEN_BUCKETS, registry=None)
+        self.request_max_generation_tokens = Histogram(
+            "dormouse_request_max_generation_tokens", "Generated tokens of each finished generation, per choice", M,
+            buckets=REQUEST_TOKEN_BUCKETS, registry=None)
+        self.request_queue_seconds = Histogram(
+            "dormouse_request_queue_seconds", "From accepted until the worker began it (a wake included)", M,
+            buckets=RESUME_BUCKETS, registry=None)
+        self.request_prefill_seconds = Histogram(
+            "dormouse_request_prefill_seconds", "Reading the prompt, to the first token", M, buckets=RESUME_BUCKETS,
+            registry=None)
+        self.request_decode_seconds = Histogram(
+            "dormouse_request_decode_seconds", "From the first token to the last", M, buckets=RESUME_BUCKETS,
+            registry=None)
+        self.request_inference_seconds = Histogram(
+            "dormouse_request_inference_seconds", "Prefill and decode", M, buckets=RESUME_BUCKETS, registry=None)
+        self.requests_finished = Counter(
+            "dormouse_requests_finished", "Generations the worker finished, by vLLM's finished_reason", M + ["reason"],
+            registry=None)
 
     def _define(self, r: CollectorRegistry) -> None:
         M = ["model"]  # noqa: N806 - the label every family here starts with
@@ -176,6 +229,21 @@ class Metrics:
             else:
                 self.sleep_freed_bytes.labels(phase=phase["name"]).set(phase["freed_bytes"])
         self.memory_bytes.clear()
+
+    def observe_request(self, done: Done, accepted_at: float, choices: int = 1) -> None:
+        """A generation's end (its protocol Done), for the compatibility exports."""
+        reason = FINISH_REASONS.get(done.finish_reason, "error")
+        self.requests_finished.labels(reason=reason).inc()
+        if reason == "error":  # refused by the worker (too long, invalid): nothing was computed
+            return
+        self.request_prompt_tokens.observe(done.prompt_tokens)
+        self.request_generation_tokens.observe(done.completion_tokens)
+        self.request_max_generation_tokens.observe(-(-done.completion_tokens // max(choices, 1)))
+        self.request_prefill_seconds.observe(done.prompt_seconds)
+        self.request_decode_seconds.observe(done.generation_seconds)
+        self.request_inference_seconds.observe(done.prompt_seconds + done.generation_seconds)
+        waited = time.monotonic() - accepted_at - done.prompt_seconds - done.generation_seconds
+        self.request_queue_seconds.observe(max(waited, 0.0))
 
     def set_state(self, state: ServerState) -> None:
         for s in ServerState:

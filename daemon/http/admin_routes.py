@@ -100,7 +100,8 @@ async def slots(request: web.Request) -> web.Response:
 async def metrics(request: web.Request) -> web.Response:
     for controller in request.app[FLEET].controllers:
         controller.sample_worker_memory()  # read at scrape time; never wakes anything
-    body, content_type = request.app[METRICS].render()
+    # metrics_compat: the names other tools read (daemon/metrics_compat.py); none: Dormouse's own only.
+    body, content_type = request.app[METRICS].render(request.app[SETTINGS].metrics_compat)
     return web.Response(body=body, headers={"Content-Type": content_type})
 
 

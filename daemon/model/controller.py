@@ -520,6 +520,7 @@ class Controller:
         m.generated_tokens.inc(done.completion_tokens)
         m.draft_tokens.inc(done.drafted_tokens)
         m.accepted_tokens.inc(done.accepted_tokens)
+        m.observe_request(done, job.accepted_at, job.submit.n)  # per request, for metrics_compat
         if done.completion_tokens > 1 and done.generation_seconds > 0 and job.submit.n == 1:  # n choices decode side by side
             m.inter_token_seconds.observe(done.generation_seconds / (done.completion_tokens - 1))
         if done.kv_lookup == "hit":
