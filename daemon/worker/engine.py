@@ -50,8 +50,10 @@ class Engine:
         self.n_ctx_slot = llama.llama_n_ctx_seq(self.ctx)
         self.memory = llama.llama_get_memory(self.ctx)
         self.slots = [Slot(i) for i in range(runtime.spec.parallel)]
-        self.reuse = ReuseRule(self.n_batch, max(0, llama.llama_model_n_swa(runtime.model)),
+        model = runtime.model
+        self.reuse = ReuseRule(self.n_batch, max(0, llama.llama_model_n_swa(model)),
                                chunked_window=runtime.meta("general.architecture") == "llama4",
+                               recurrent=bool(llama.llama_model_is_recurrent(model) or llama.llama_model_is_hybrid(model)),
                                deterministic=runtime.spec.cache_deterministic)
         self.queue: deque[p.Submit] = deque()
         self.batch = llama.llama_batch_init(runtime.spec.step_capacity(), 0, 1)
@@ -388,7 +390,7 @@ class Engine:
         if shared == 0:
             return 0
         return self.reuse.keepable(shared, len(tokens), slot.exact,
-                                   llama.llama_memory_seq_pos_min(self.memory, slot.id))
+                                   llama.llama_memory_seq_pos_min(self.memory, slot.id), len(slot.cache))
 
     def _assign(self, slot: Slot, msg: p.Submit, tokens: list[int], sampler: SamplerChain, reuse: int) -> None:
         if reuse < len(slot.cache) and not llama.llama_memory_seq_rm(self.memory, slot.id, reuse, -1):

@@ -34,7 +34,7 @@ def context_layout(ctx: ctypes.c_void_p, model: ctypes.c_void_p, rule: ReuseRule
         "n_embd": llama.llama_model_n_embd(model),
         "type_k": int(params.type_k),
         "type_v": int(params.type_v),
-        "swa_full": bool(params.swa_full),
+        "swa_full": True,  # the worker sets it (runtime.py), and one stream per slot
     }
 
 
@@ -81,7 +81,9 @@ class SavedPrompts:
             self._reject(entry, "corrupt")
             return 0, time.perf_counter() - start, "miss", "corrupt"
         slot.cache[:] = entry.tokens
-        slot.exact = len(entry.tokens) if self.rule.deterministic else 0  # the layout says how they were saved
+        # Exact (the layout says they were saved so) only where every position from 0 sits in its own cell.
+        whole = llama.llama_memory_seq_pos_min(self.memory, slot.id) == 0
+        slot.exact = len(entry.tokens) if self.rule.deterministic and whole else 0
         try:
             self.index.touch(entry)  # least recently used goes first; best effort
         except OSError:
@@ -90,13 +92,23 @@ class SavedPrompts:
 
     def _best(self, tokens: list[int]) -> tuple[KvEntry | None, int]:
         """The entry that would keep the most of `tokens`, and how many. A saved
-        state holds only the last window of sliding-window layers, so an entry
-        can be trimmed only as far as its window allows (ReuseRule)."""
+        state holds only the last window of sliding-window layers (or a
+        recurrent snapshot), so an entry can be trimmed only as far as that
+        allows (ReuseRule). Longest first, and an entry that could not beat the
+        best so far is not compared: this runs on the thread that decodes."""
         best, most = None, 0
-        for entry in self.index.entries:
-            shared = common_prefix(entry.tokens, tokens)
-            keep = self.rule.keepable(shared, len(tokens), exact=len(entry.tokens),
-                                      pos_min=self.rule.lowest_saved(len(entry.tokens)))
+        for entry in sorted(self.index.entries, key=lambda e: len(e.tokens), reverse=True):
+            n = len(entry.tokens)
+            if min(n, len(tokens) - 1) <= most:
+                continue
+            lowest = self.rule.lowest_saved(n)
+            if tokens[:n] == entry.tokens:  # the usual case, compared in C
+                shared = n
+            elif lowest > 0:  # a window or a snapshot: a shorter share could serve only the regenerate of n - 1
+                shared = n - 1 if tokens[:n - 1] == entry.tokens[:n - 1] else 0
+            else:
+                shared = common_prefix(entry.tokens, tokens)
+            keep = self.rule.keepable(shared, len(tokens), exact=n if lowest == 0 else 0, pos_min=lowest, n_held=n)
             if keep > most:
                 best, most = entry, keep
         return best, most
@@ -126,14 +138,18 @@ class SavedPrompts:
         for slot in slots:
             tokens = slot.cache[:slot.cache.index(-1)] if -1 in slot.cache else list(slot.cache)
             if self.rule.deterministic:
-                del tokens[slot.exact:]  # only cells a fresh read would hold bit for bit
+                del tokens[self.rule.savable(slot.exact):]  # only cells a restore puts back bit for bit
             if len(tokens) < self.min_tokens or self.index.longest_prefix_of(tokens, len(tokens) - 1):
                 continue  # too short to be worth a file, or already saved as it is
-            if llama.llama_memory_seq_pos_min(self.memory, slot.id) > self.rule.lowest_needed(len(tokens)):
-                continue  # the window no longer holds what the next decode after them would read
+            if self.rule.recurrent and len(tokens) < len(slot.cache):
+                continue  # a recurrent state cannot be cut back to them
+            if not self.rule.recurrent and \
+                    llama.llama_memory_seq_pos_min(self.memory, slot.id) > self.rule.lowest_saved(len(tokens)):
+                continue  # the window lost cells a restore of them would need (_best assumes it holds them)
             try:
-                if len(tokens) < len(slot.cache):  # an image or inexact cells follow: not saved
-                    llama.llama_memory_seq_rm(self.memory, slot.id, len(tokens), -1)
+                if len(tokens) < len(slot.cache) and not llama.llama_memory_seq_rm(self.memory, slot.id,
+                                                                                  len(tokens), -1):
+                    continue  # an image or inexact cells follow, and llama.cpp would not cut them off
                 size = llama.llama_state_seq_get_size(self.ctx, slot.id)
                 if size > self.budget:
                     continue  # could never be kept: do not write it to delete it

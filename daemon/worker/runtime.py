@@ -130,6 +130,12 @@ class Runtime:
         params.n_threads = self.threads
         params.n_threads_batch = self.threads
         params.no_perf = True
+        # Set, not left to llama.cpp's defaults, because the prompt cache's rule
+        # (reuse.py) rests on them: one KV stream per slot (a slot's cells never
+        # interleave with another's) and a full-size window cache (a live slot
+        # never loses window positions; only a restored one lacks them).
+        params.kv_unified = False
+        params.swa_full = True
         if self.spec.embeddings and model is self.model:
             # A pooled sequence must sit in one micro-batch: an input is read in
             # one decode of at most batch_size tokens, and every token is an output.

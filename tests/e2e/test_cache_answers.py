@@ -35,9 +35,9 @@ def words(rng: random.Random, n: int) -> str:
 
 def complete(d, prompt: str, cache: bool) -> tuple[str, int, int, list]:
     """The greedy answer, the tokens kept from the cache, the prompt's tokens,
-    and each answer token with its log-probability (the bits of the logits)."""
+    and each answer token with its log-probability and the 5 likeliest (the bits of the logits)."""
     r = d.http.post("/completion", json={"prompt": prompt, "n_predict": N_PREDICT, "temperature": 0,
-                                         "cache_prompt": cache, "n_probs": 1})
+                                         "cache_prompt": cache, "n_probs": 5})
     assert r.status_code == 200, r.text
     body = r.json()
     return body["content"], body["tokens_cached"], body["tokens_evaluated"], body["completion_probabilities"]
@@ -53,22 +53,25 @@ def chat_text(d, messages: list[dict]) -> str:
 class Trial:
     """Random conversations and the operations that can happen between their turns."""
 
-    def __init__(self, d, fresh, rng: random.Random) -> None:
+    def __init__(self, d, fresh, rng: random.Random, script: tuple[str, ...] = ()) -> None:
         self.d, self.fresh_daemon, self.rng = d, fresh, rng
+        self.script = list(script)  # operations that come first, whatever the draw
         self.base = words(rng, 900)  # ~1000 tokens: prefixes inside the window and past it
         self.last: str | None = None
         self.kept = 0
         self.log: list[str] = []
 
     def prompt(self) -> tuple[str, str]:
-        rng, op = self.rng, self.rng.choice(["shared", "shared", "turn", "turn", "regenerate", "edit", "unrelated",
-                                             "chat", "sleep"])
-        if op == "sleep":
+        rng = self.rng
+        op = self.script.pop(0) if self.script else rng.choice(
+            ["shared", "shared", "turn", "turn", "regenerate", "edit", "unrelated", "chat", "sleep"])
+        if op.startswith("sleep"):
             r = self.d.http.post("/sleep")
             assert r.status_code == 200, r.text
-            op = rng.choice(["turn", "regenerate", "unrelated"])  # what comes back after a wake
-        if self.last is None or op == "shared":  # a new conversation, often one past the window
+            op = op[len("sleep "):] or rng.choice(["turn", "regenerate", "unrelated"])  # what comes after a wake
+        if self.last is None or op in ("shared", "long"):  # a new conversation, often one past the window
             cut = rng.choice([0, 4, rng.randint(10, 500), rng.randint(520, 900), rng.randint(520, 900)])
+            cut = rng.randint(700, 900) if op == "long" else cut
             return op, " ".join(self.base.split()[:cut]) + " " + words(rng, rng.randint(3, 200))
         if op == "turn":
             return op, self.last + " " + words(rng, rng.randint(20, 150))
@@ -96,6 +99,10 @@ class Trial:
         if deterministic or cached == 0:
             assert answer == reference, "\n".join(self.log) + f"\n{answer!r}\n{reference!r}"
             assert probs == ref_probs  # tokens and log-probabilities alike: the same bits
+        else:  # kept cells may round otherwise, but never read a hole: the first token is the fresh read's, nearly
+            top = {t["id"]: t["logprob"] for t in probs[0]["top_logprobs"]}
+            first = ref_probs[0]
+            assert first["id"] in top and abs(top[first["id"]] - first["logprob"]) < 0.5, self.log
 
 
 def seed(default: int) -> int:
@@ -104,12 +111,16 @@ def seed(default: int) -> int:
     return random.SystemRandom().randrange(2**32) if chosen == "random" else int(chosen)
 
 
+# The deterministic run begins with what a review found: a conversation past the
+# window, saved at a sleep, and its next turn (a restore that lacks its first
+# positions would land in other cells and round otherwise).
 @pytest.mark.parametrize("deterministic, batch_size, steps, default_seed", [(True, 128, 14, 16), (False, 512, 10, 17)])
 def test_the_cache_never_changes_a_deterministic_answer(start_daemon, tmp_path, deterministic, batch_size, steps,
                                                         default_seed):
     s = seed(default_seed)
     print(f"\nDORMOUSE_PROPERTY_SEED={s}")
-    # Two slots of 2048 tokens: the window layers' cache (512 + a chunk) wraps inside a slot.
+    # Two slots of 2048 tokens. A live slot keeps every window position (swa_full);
+    # only a restored one lacks the first ones.
     d, fresh = (start_daemon("--parallel", "2", "--ctx-size", "4096", "--batch-size", str(batch_size),
                              "--sleep-idle-seconds", "-1", "--state-dir", str(tmp_path / name),
                              env={"DORMOUSE_KV_CACHE_MIN_TOKENS": "16",
@@ -117,7 +128,7 @@ def test_the_cache_never_changes_a_deterministic_answer(start_daemon, tmp_path, 
                 for name in ("trial", "fresh"))
     d.wait_state("ready")
     fresh.wait_state("ready")
-    trial = Trial(d, fresh, random.Random(s))
+    trial = Trial(d, fresh, random.Random(s), script=("long", "sleep turn") if deterministic else ())
     for _ in range(steps):
         trial.step(deterministic)
     print("\n".join(trial.log))

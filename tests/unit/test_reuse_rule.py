@@ -24,27 +24,30 @@ def test_a_window_with_a_hole_is_never_kept():
     """Gemma 3: a restored 818-token slot holds positions 306.. in its window
     layers; a prompt sharing its 4-token chat header must be read from 0."""
     rule = ReuseRule(chunk=512, n_swa=512)
-    assert rule.keepable(shared=4, n_prompt=30, exact=0, pos_min=306) == 0
-    assert rule.keepable(shared=818, n_prompt=900, exact=0, pos_min=306) == 818  # its own next turn continues
-    assert rule.keepable(shared=4, n_prompt=30, exact=0, pos_min=0) == 4  # a live slot that holds all of it
+    assert rule.keepable(shared=4, n_prompt=30, exact=0, pos_min=306, n_held=818) == 0
+    assert rule.keepable(shared=818, n_prompt=900, exact=0, pos_min=306, n_held=818) == 818  # its next turn goes on
+    assert rule.keepable(shared=4, n_prompt=30, exact=0, pos_min=0, n_held=818) == 4  # a live slot holds all of it
 
 
 def test_random_keeps_only_ever_read_held_positions():
     rng = random.Random(16)
     for _ in range(5000):
         rule = ReuseRule(chunk=rng.choice([1, 7, 64, 512]), n_swa=rng.choice([0, 1, 16, 512, 4096]),
-                         chunked_window=rng.random() < 0.2, deterministic=rng.random() < 0.5)
+                         chunked_window=rng.random() < 0.2, recurrent=rng.random() < 0.1,
+                         deterministic=rng.random() < 0.5)
         n_cache = rng.randint(0, 3000)
         pos_min = -1 if n_cache == 0 else rng.randint(0, n_cache - 1)
         shared = rng.randint(0, n_cache)
         n_prompt = rng.randint(max(1, shared), shared + 500)
         exact = rng.randint(0, n_cache) // rule.chunk * rule.chunk
-        keep = rule.keepable(shared, n_prompt, exact, pos_min)
+        keep = rule.keepable(shared, n_prompt, exact, pos_min, n_cache)
         assert 0 <= keep <= min(shared, n_prompt - 1)
-        if keep:
+        if keep and rule.recurrent:
+            assert keep == n_cache  # a snapshot is extended whole or not at all
+        elif keep:
             # Every position the decode after them reads is held.
             needed = attended(rule, keep)
-            assert pos_min <= (needed.start if needed else keep - 1)
+            assert pos_min <= (needed.start if needed else keep)  # an empty window needs nothing before keep
             if rule.deterministic:  # whole chunks from 0, each one decoded as a fresh read decodes it
                 assert keep % rule.chunk == 0 and keep <= exact
 
@@ -63,19 +66,19 @@ def test_exactness_follows_the_chunks_of_a_fresh_read():
 
 def test_deterministic_keeps_stop_at_an_exact_chunk_boundary():
     rule = ReuseRule(chunk=128, n_swa=512, deterministic=True)
-    assert rule.keepable(shared=1000, n_prompt=1100, exact=896, pos_min=0) == 896
-    assert rule.keepable(shared=1000, n_prompt=1100, exact=1024, pos_min=0) == 896  # 1000 rounded down
-    assert rule.keepable(shared=1000, n_prompt=1100, exact=0, pos_min=0) == 0  # generated cells: never
-    assert rule.keepable(shared=1000, n_prompt=1000, exact=1024, pos_min=0) == 896  # the last token is read again
+    assert rule.keepable(shared=1000, n_prompt=1100, exact=896, pos_min=0, n_held=1100) == 896
+    assert rule.keepable(shared=1000, n_prompt=1100, exact=1024, pos_min=0, n_held=1100) == 896  # 1000 rounded down
+    assert rule.keepable(shared=1000, n_prompt=1100, exact=0, pos_min=0, n_held=1100) == 0  # generated cells: never
+    assert rule.keepable(shared=1000, n_prompt=1000, exact=1024, pos_min=0, n_held=1100) == 896  # the last is read again
 
 
 def test_a_saved_state_holds_only_its_last_window():
     rule = ReuseRule(chunk=512, n_swa=512)
     assert rule.lowest_saved(818) == 306
     # A saved 818-token state continues at 818 (and re-reads 817 for its logits), nothing shorter.
-    assert rule.keepable(818, 900, 0, rule.lowest_saved(818)) == 818
-    assert rule.keepable(818, 818, 0, rule.lowest_saved(818)) == 817
-    assert rule.keepable(700, 900, 0, rule.lowest_saved(818)) == 0
+    assert rule.keepable(818, 900, 0, rule.lowest_saved(818), 818) == 818
+    assert rule.keepable(818, 818, 0, rule.lowest_saved(818), 818) == 817
+    assert rule.keepable(700, 900, 0, rule.lowest_saved(818), 818) == 0
     assert ReuseRule(chunk=512).lowest_saved(818) == 0  # full attention: everything
 
 
@@ -89,5 +92,27 @@ def test_the_slot_choice_counts_what_a_slot_may_keep_not_what_it_shares():
     rule = ReuseRule(chunk=512, n_swa=512)
     pos_min = {0: 306, 1: -1}
     chosen = choose_slot([long, empty], prompt,
-                         lambda s: rule.keepable(s.common_prefix(prompt), len(prompt), s.exact, pos_min[s.id]))
+                         lambda s: rule.keepable(s.common_prefix(prompt), len(prompt), s.exact, pos_min[s.id],
+                                                 len(s.cache)))
     assert chosen is empty
+
+
+def test_a_recurrent_state_is_extended_whole_or_read_again():
+    """Mamba/RWKV (and hybrid models): llama.cpp's pos_min is the snapshot's last position."""
+    rule = ReuseRule(chunk=512, recurrent=True)
+    assert rule.keepable(shared=300, n_prompt=400, exact=0, pos_min=299, n_held=300) == 300
+    assert rule.keepable(shared=300, n_prompt=300, exact=0, pos_min=299, n_held=300) == 0  # would need 299
+    assert rule.keepable(shared=200, n_prompt=400, exact=0, pos_min=299, n_held=300) == 0  # an edit
+    assert rule.lowest_saved(300) == 299
+
+
+def test_the_deterministic_mode_saves_only_what_a_restore_puts_back_exactly():
+    """A restore of a state without its first positions puts its cells
+    elsewhere than a fresh read, and llama.cpp's attention then splits its
+    sums across threads at other places: only states that hold position 0
+    are saved (the window's worth on Gemma 3)."""
+    rule = ReuseRule(chunk=128, n_swa=512, deterministic=True)
+    assert rule.savable(1024) == 512
+    assert rule.savable(384) == 384
+    assert rule.lowest_saved(rule.savable(1024)) == 0
+    assert ReuseRule(chunk=128, deterministic=True).savable(1024) == 1024  # full attention: all of it
