@@ -150,6 +150,7 @@ def _check_config(settings, plans) -> int:
     """Print the effective settings, the fleet with each model's footprint, the
     memory budget and the stop budget; exit 2 if a model can never fit."""
     from daemon.fleet.plans import add_footprints, footprint_store, memory_budget
+    from daemon.model.footprint import plausible
     from daemon.server import stop_budget
 
     add_footprints(plans, footprint_store(settings))
@@ -168,7 +169,12 @@ def _check_config(settings, plans) -> int:
     print(json.dumps({"settings": settings.public_dict(), "models": models,
                       "memory_budget": {"bytes": budget.bytes, "from": budget.how},
                       "stop_budget_seconds": stop_budget(settings)}, indent=2))
-    too_big = [p for p in plans if (sum(p.measured.values()) if p.measured else p.predicted_bytes) > budget.bytes]
+    def believed(plan) -> int:  # a stored figure far from the prediction is not believed (as at serve)
+        if plan.measured and (plan.predicted is None or plausible(plan.measured, plan.predicted.total)):
+            return sum(plan.measured.values())
+        return plan.predicted_bytes
+
+    too_big = [p for p in plans if believed(p) > budget.bytes]
     for plan in too_big:
         print(f"dormouse: model {plan.id} needs {plan.predicted_bytes} bytes, more than the memory budget of "
               f"{budget.bytes} bytes ({budget.how})", file=sys.stderr)

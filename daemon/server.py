@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import errno
 import os
 import signal
 from typing import Any, Callable
@@ -26,6 +27,9 @@ from daemon.http.app import build_app
 from daemon.logs import configure_logging, get_logger
 from daemon.metrics import MetricFamilies, Metrics
 from daemon.model.controller import CANCEL_GRACE_SECONDS, Controller
+from daemon.model.files import state_dir
+from daemon.model.footprint import counted, plausible
+from daemon.state_lock import StateDirInUse, StateDirLock
 from daemon.systemd import Notifier, inherited_socket, watchdog_interval
 from statemachine import PolicyChanged
 
@@ -54,22 +58,29 @@ def build_fleet(settings: Settings, plans: list[ModelPlan], families: MetricFami
     store = footprint_store(settings, log)
     budget = memory_budget(settings)
     models = []
+    by_id = {plan.id: plan for plan in plans}
     for plan in plans:
         controller = Controller(plan.settings, plan.model_path, Metrics(families, plan.id), log, model_id=plan.id)
         model = FleetModel(plan.id, controller, plan.predicted_bytes, plan.aliases, plan.pinned, plan.load_at_start)
-        if plan.measured:
-            model.measured_components = plan.measured
-            model.measured_bytes = sum(plan.measured.values())
+        if plan.measured and _stands(plan, plan.measured, budget.bytes):
+            model.measured_components = counted(plan.predicted, plan.measured).components()
+            model.measured_bytes = sum(model.measured_components.values())
+        elif plan.measured:
+            log.warning("footprint.stored_ignored", model=plan.id, stored_bytes=sum(plan.measured.values()),
+                        predicted_bytes=plan.predicted_bytes, budget_bytes=budget.bytes)
         models.append(model)
-    keys = {plan.id: plan.key for plan in plans}
-    weights_on_disk = {plan.id: _file_size(plan.model_path) for plan in plans}
 
-    def keep_measurement(model: FleetModel) -> None:  # fsync: off the event loop
-        # A measurement below half the weights' size on disk is not one of this
-        # model (a test's fake worker, a broken ledger): it is shown, not kept.
-        if not keys.get(model.id) or not model.measured_components or model.bytes < weights_on_disk[model.id] // 2:
-            return
-        asyncio.get_running_loop().run_in_executor(None, store.put, keys[model.id], model.measured_components)
+    def keep_measurement(model: FleetModel) -> None:
+        # What a load measured is what it held then; what grows after it (output and
+        # compute buffers, the prompt cache's transfer) counts at its predicted size
+        # where that is larger, for planning and for the next start alike.
+        plan = by_id[model.id]
+        model.measured_components = counted(plan.predicted, model.measured_components or {}).components()
+        model.measured_bytes = sum(model.measured_components.values())
+        # Kept only if the next start would believe it (a test's fake worker, a broken
+        # ledger: shown, not kept). fsync: off the event loop.
+        if plan.key and _stands(plan, model.measured_components, budget.bytes):
+            asyncio.get_running_loop().run_in_executor(None, store.put, plan.key, model.measured_components)
 
     default = next(plan.id for plan in plans if plan.is_default)
     fleet = Fleet(models, default, budget.bytes, settings.wake_timeout, FleetMetrics(families.registry), log,
@@ -78,6 +89,15 @@ def build_fleet(settings: Settings, plans: list[ModelPlan], families: MetricFami
     log.info("fleet.budget", bytes=budget.bytes, how=budget.how, admission=fleet.admitting,
              models={m.id: m.bytes for m in models})
     return fleet
+
+
+def _stands(plan: ModelPlan, measured: dict[str, int], budget: int) -> bool:
+    """A stored measurement may stand for the model when it is near the prediction
+    (or, with none, at least half the weights on disk) and can fit in the budget."""
+    if plan.predicted is not None:
+        return plausible(measured, plan.predicted.total, budget)
+    total = sum(measured.values())
+    return _file_size(plan.model_path) // 2 <= total <= budget
 
 
 def _file_size(path: str) -> int:
@@ -206,7 +226,22 @@ async def _watchdog(notifier: Notifier) -> None:
 
 def run(settings: Settings, plans: list[ModelPlan], reload_settings: Callable[[], Settings] | None = None) -> int:
     configure_logging(settings.log_format, settings.log_level)
-    return asyncio.run(serve(settings, plans, reload_settings))
+    lock = StateDirLock(state_dir(settings))
+    try:
+        lock.acquire()
+    except StateDirInUse as exc:
+        get_logger().error("state_dir.in_use", error=str(exc), path=str(exc.directory), pid=exc.pid)
+        return 1
+    except OSError as exc:
+        if exc.errno not in (errno.EROFS, errno.EACCES, errno.EPERM):
+            get_logger().error("state_dir.unusable", error=f"cannot lock {lock.path}: {exc.strerror or exc}")
+            return 1
+        # A state directory this daemon cannot write: no two daemons can rewrite anything there.
+        get_logger().warning("state_dir.not_locked", path=str(lock.path), error=exc.strerror or str(exc))
+    try:
+        return asyncio.run(serve(settings, plans, reload_settings))
+    finally:
+        lock.release()
 
 
 __all__: list[Any] = ["run", "serve"]

@@ -28,11 +28,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="session")
-def bundled_model() -> str:
+def bundled_model_path() -> str:
     from daemon.model.files import bundled_model as write_bundled
 
     return str(write_bundled(Settings()))
+
+
+@pytest.fixture(scope="session")
+def bundled_model() -> str:
+    return bundled_model_path()
 
 
 FAKE_DEFAULTS = {"worker_module": "tests.fakes.fake_worker", "sleep_idle_seconds": -1, "spawn_ahead": False}
@@ -94,9 +98,14 @@ class DaemonProcess:
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         self._log = open(log_path, "wb")
+        # Each daemon its own state directory (one daemon may hold one: daemon/state_lock.py),
+        # unless the test names one; and the bundled model written once, not into each.
+        own = {"DORMOUSE_STATE_DIR": str(log_path.with_suffix(".state"))} if "--state-dir" not in args else {}
+        if "--model" not in args and "--config" not in args:
+            args = ("--model", bundled_model_path(), *args)
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "daemon", "serve", "--port", str(self.port), "--log-format", "json", *args],
-            cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})},
+            cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT, env={**own, **os.environ, **(env or {})},
         )
         self.http = httpx.Client(base_url=self.url, timeout=60)
 

@@ -81,7 +81,8 @@ def add_footprints(plans: list[ModelPlan], store: FootprintStore | None, log=Non
         try:
             plan.predicted = predict(plan.model_path, ctx_size=s.ctx_size, parallel=s.parallel, model_draft=s.model_draft,
                                      mmproj=s.mmproj, n_gpu_layers=s.n_gpu_layers, batch_size=s.batch_size,
-                                     draft_max=s.draft_max, embeddings=s.embeddings)
+                                     draft_max=s.draft_max, embeddings=s.embeddings,
+                                     prompt_cache=s.kv_cache_disk_bytes > 0)
         except (GgufError, ValueError, OSError) as exc:
             plan.predicted_error = str(exc)
             if log is not None:
@@ -93,7 +94,7 @@ def add_footprints(plans: list[ModelPlan], store: FootprintStore | None, log=Non
                                          draft_max=s.draft_max, embeddings=s.embeddings)
             except OSError:
                 continue
-            plan.measured = store.get(plan.key)
+            plan.measured = store.get(plan.key)  # judged where it is used (server._stands, check-config)
 
 
 def footprint_store(settings: Settings, log=None) -> FootprintStore:

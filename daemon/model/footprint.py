@@ -12,6 +12,13 @@ The context is sized as the worker creates it (daemon/worker/runtime.py)
 with llama.cpp's defaults for what the worker leaves alone: one KV stream
 per slot (kv_unified false), full-size sliding-window caches (swa_full
 true), flash attention on (auto resolves to on for CPU and CUDA).
+
+A load measures what it holds then, not what it grows to: a context's
+output buffer grows to the most outputs one decode asked for, a projector's
+compute buffer to the largest image, and the prompt cache's save and
+restore hold a slot's state in the worker only while they run. So after a
+load the fleet counts `counted()`: the measured weights, and for everything
+that grows the larger of prediction and measurement.
 """
 
 from __future__ import annotations
@@ -41,6 +48,16 @@ SWA_PERIOD_BY_ARCH = {"gemma2": 2, "gemma3": 6, "gemma3n": 5, "gemma-embedding":
                       "gpt-oss": 2, "exaone4": 4}
 
 
+# A sleep's save and a wake's restore hold one slot's state twice in the
+# worker (daemon/worker/kv_cache.py): llama.cpp writes it into a ctypes
+# buffer that is copied into Python bytes, or the bytes read from the file
+# are copied into a ctypes buffer for llama.cpp.
+KV_TRANSFER_COPIES = 2
+# Per cell of a saved sequence: its position, its count of sequence ids and one id.
+SAVED_CELL_META = 12
+SAVED_STATE_OVERHEAD = 4096  # per-stream and per-layer headers, a few hundred bytes in fact
+
+
 @dataclass(frozen=True)
 class Footprint:
     model: int
@@ -48,6 +65,7 @@ class Footprint:
     draft_model: int = 0
     draft_context: int = 0
     mmproj: int = 0
+    kv_transfer: int = 0  # host memory the prompt cache's save or restore holds for one slot
 
     @property
     def total(self) -> int:
@@ -58,8 +76,52 @@ class Footprint:
 
     @classmethod
     def from_components(cls, components: Mapping[str, int]) -> Footprint:
-        """A measured footprint from the worker's per-phase bytes; other phases (backend, warmup) are ignored."""
-        return cls(**{f.name: int(components.get(f.name, 0)) for f in fields(cls)})
+        """A measured footprint from the worker's per-phase bytes. Bytes of other
+        phases (the warm-up's decode grows the output buffer) are the context's."""
+        names = {f.name for f in fields(cls)}
+        extra = sum(int(size) for name, size in components.items() if name not in names)
+        footprint = cls(**{name: int(components.get(name, 0)) for name in names})
+        return replace(footprint, context=footprint.context + extra)
+
+
+# What llama.cpp grows after the load that measured it (see the module's doc).
+# Weights do not grow, and their measurement is exact.
+GROWS_AFTER_LOAD = ("context", "draft_context", "mmproj", "kv_transfer")
+WEIGHTS = ("model", "draft_model")
+
+
+def counted(predicted: Footprint | None, measured: Mapping[str, int]) -> Footprint:
+    """What the fleet counts for a model after a load: the measured weights (the
+    prediction's where a part was not measured), and for each buffer that grows
+    after the load the larger of predicted and measured."""
+    seen = Footprint.from_components(measured)
+    if predicted is None:
+        return seen
+    weights = {name: getattr(seen, name) or getattr(predicted, name) for name in WEIGHTS}
+    growing = {name: max(getattr(seen, name), getattr(predicted, name)) for name in GROWS_AFTER_LOAD}
+    return Footprint(**weights, **growing)
+
+
+# A stored measurement further than this from today's prediction (either way)
+# is not one of the files and settings its key names. What is stored is a
+# counted() figure, so an honest one differs from the prediction only where
+# the weights were measured (exact; the prediction is their tensor bytes) or
+# a buffer grew past its prediction: the compute buffers are within 0.3 % of
+# the fit on CPU (tests/unit/test_footprint.py), a backend the fit never saw
+# may differ by some tens of percent of them, a small part of the whole. A
+# factor of 2 is far outside those and far inside a corrupted or planted
+# value (10^12 bytes for a 350 MB model). Where a value is refused, the
+# prediction stands, and the next load measures again.
+PLAUSIBLE_FACTOR = 2
+
+
+def plausible(measured: Mapping[str, int], predicted_total: int, budget: int | None = None) -> bool:
+    """Whether a stored measurement may stand for the model: near the prediction
+    and, when a budget is given, able to fit in it (one that cannot fit would
+    keep the model from ever loading, so from ever being measured again)."""
+    total = sum(measured.values())
+    near = predicted_total / PLAUSIBLE_FACTOR <= total <= predicted_total * PLAUSIBLE_FACTOR
+    return near and (budget is None or total <= budget)
 
 
 @dataclass(frozen=True)
@@ -83,18 +145,23 @@ class ModelShape:
 def predict(model_path: str | Path, *, ctx_size: int, parallel: int, cache_type_k: str = "f16",
             cache_type_v: str = "f16", model_draft: str | Path | None = None, mmproj: str | Path | None = None,
             n_gpu_layers: int = -1, batch_size: int = 512, draft_max: int = 16, swa_full: bool = True,
-            embeddings: bool = False) -> Footprint:
-    """Predict what loading this configuration holds, in bytes. Raises GgufError for a
-    file that is not a sound GGUF or lacks what sizing needs, ValueError for a bad setting.
+            embeddings: bool = False, prompt_cache: bool = True) -> Footprint:
+    """Predict what loading this configuration holds at its peak, in bytes. Raises
+    GgufError for a file that is not a sound GGUF or lacks what sizing needs,
+    ValueError for a bad setting.
 
     n_gpu_layers moves bytes between devices without changing the sums, so it does
     not change the prediction; it is accepted so that callers pass the whole setting.
+    prompt_cache: slots are saved at sleep and restored after a wake
+    (kv_cache_disk_bytes > 0, the default); counted on the host even when the KV
+    cache is on a GPU, an over-estimate there of a few MB per 1k tokens of slot.
     """
     del n_gpu_layers
     if ctx_size < 1 or parallel < 1 or batch_size < 1:
         raise ValueError(f"ctx_size ({ctx_size}), parallel ({parallel}) and batch_size ({batch_size}) must be positive")
     type_k, type_v = _cache_type(cache_type_k), _cache_type(cache_type_v)
     header = read_header(model_path)
+    shape = shape_of(header)
     context = dict(ctx_size=ctx_size, parallel=parallel, batch_size=batch_size, type_k=type_k, type_v=type_v,
                    swa_full=swa_full)
     # The worker's main context is created allowing logits for every drafted token
@@ -103,19 +170,23 @@ def predict(model_path: str | Path, *, ctx_size: int, parallel: int, cache_type_
     if embeddings:
         # An embeddings context reads an input in one decode with every token an
         # output (runtime.py): its graph and output buffer have room for a batch of them.
-        main = context_bytes(shape_of(header), **context, n_outputs_max=batch_size, output_rows=batch_size)
+        main = context_bytes(shape, **context, n_outputs_max=batch_size, output_rows=batch_size)
     else:
-        main = context_bytes(shape_of(header), **context,
+        main = context_bytes(shape, **context,
                              n_outputs_max=max(parallel, VERIFY_GROUP) if model_draft else parallel,
                              output_rows=max(parallel, VERIFY_GROUP) if model_draft else parallel)
     footprint = Footprint(model=weight_bytes(header), context=main)
+    if prompt_cache and not embeddings:  # an embeddings model keeps no prompt in its slots
+        slot_cells, _, _ = _cells(ctx_size, parallel, batch_size, shape.n_swa, swa_full)  # a full slot
+        state = saved_state_bytes(shape, slot_cells, type_k=type_k, type_v=type_v)
+        footprint = replace(footprint, kv_transfer=KV_TRANSFER_COPIES * state)
     if model_draft:
         draft = read_header(model_draft)
         draft_context = context_bytes(shape_of(draft), **context, n_outputs_max=parallel, output_rows=parallel)
         footprint = replace(footprint, draft_model=weight_bytes(draft), draft_context=draft_context)
     if mmproj:
-        # The projector's compute buffer (sized by its image resolution) is not predicted.
-        footprint = replace(footprint, mmproj=read_header(mmproj).tensor_bytes)
+        projector = read_header(mmproj)
+        footprint = replace(footprint, mmproj=projector.tensor_bytes + projector_compute_bytes(projector, shape.n_embd))
     return footprint
 
 
@@ -286,3 +357,54 @@ def compute_buffer_bytes(shape: ModelShape, *, cells: int, swa_cells: int, n_uba
     layer_peak = n_ubatch * F32 * per_token + masks
     head_peak = F32 * (n_outputs * shape.n_vocab + (n_ubatch + n_outputs) * shape.n_embd)
     return max(layer_peak, head_peak)
+
+
+def saved_state_bytes(shape: ModelShape, tokens: int, *, type_k: int, type_v: int) -> int:
+    """What llama_state_seq_get_data writes for a slot holding `tokens`: every
+    cell in each full-attention layer, the last window in a sliding one
+    (llama.cpp keeps no more of it), and each cell's position and sequence id.
+
+    Measured on Gemma 3 270M (1000 to 3000 tokens, ubatch 128 and 512, 1 and 4
+    slots): 3 x n x 1 KiB + 15 x 512 x 1 KiB + 12 B per cell, plus 472 bytes."""
+    window = min(tokens, shape.n_swa) if shape.n_swa else tokens
+    total = SAVED_STATE_OVERHEAD
+    kinds = set()
+    for layer in shape.layers:
+        held = window if layer.sliding else tokens
+        total += held * (ggml_row_bytes(type_k, layer.k_width) + ggml_row_bytes(type_v, layer.v_width))
+        kinds.add(layer.sliding)
+    return total + SAVED_CELL_META * sum(window if sliding else tokens for sliding in kinds)
+
+
+# -- the multimodal projector --
+
+PROJECTOR_GRAPH_SLACK = 64 * 1024
+
+def projector_compute_bytes(header: GgufHeader, text_embd: int) -> int:
+    """The compute buffer mtmd reserves for one image at the projector's own
+    resolution (its warm-up does, at load), on CPU with flash attention (what
+    mtmd picks there): the peak of what is live at once, per image position,
+      start = 3 x patch^2 x (4 B image + 2 B f16 patches)
+      layer = 4 B x (3 x patch^2 + max(5 x width, 3 x width + ffn))
+      end   = 4 B x (2 x width + first projection width + text embedding width)
+    plus 64 KiB for the graph's small tensors (positions). Fitted on 20
+    llava-style ("mlp") projectors measured here (widths 32..1024, ffn
+    64..4096, 16..1024 positions, 1..4 blocks): never under, up to 45 % over
+    (tiny shapes; one-block projectors, whose only block llava skips, more). Other
+    projector types, dynamic resolutions and GPU backends were not measured:
+    their measurement after a load counts where it is larger (counted()).
+    A projector without a vision encoder (audio) is not predicted (0)."""
+    image = _int(header, "clip.vision.image_size", 0)
+    patch = _int(header, "clip.vision.patch_size", 0)
+    if not image or not patch:
+        return 0
+    width = _int(header, "clip.vision.embedding_length", 0)
+    ffn = _int(header, "clip.vision.feed_forward_length", 0)
+    first_projection = next((t.dims[1] for t in header.tensors if t.name == "mm.0.weight" and len(t.dims) == 2),
+                            text_embd)
+    positions = (image // patch) ** 2
+    pixels = 3 * patch * patch
+    start = pixels * (F32 + F16)
+    layer = F32 * (pixels + max(5 * width, 3 * width + ffn))
+    end = F32 * (2 * width + first_projection + text_embd)
+    return positions * max(start, layer, end) + PROJECTOR_GRAPH_SLACK

@@ -9,7 +9,10 @@ One small JSON file, written atomically (temporary file, fsync, rename,
 fsync of the directory) and bounded (the least recently put entries go
 first). A file that does not read or does not have the expected shape is
 logged and ignored, then replaced by the next put: a measurement is an
-optimisation, never a reason to fail.
+optimisation, never a reason to fail (nor to hang: a FIFO or a device
+planted as the file is not read). A value of the right shape is still only
+a claim: the server lets it stand only near the prediction
+(daemon/model/footprint.py's plausible()).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import stat
 import tempfile
 import threading
 from pathlib import Path
@@ -33,8 +37,8 @@ def _file_identity(path: str | Path | None) -> str | None:
     if path is None:
         return None
     resolved = Path(path).resolve()
-    stat = resolved.stat()
-    return f"{resolved}:{stat.st_size}:{stat.st_mtime_ns}"
+    info = resolved.stat()
+    return f"{resolved}:{info.st_size}:{info.st_mtime_ns}"
 
 
 def footprint_key(model_path: str | Path, ctx_size: int, parallel: int, cache_type_k: str = "f16",
@@ -98,8 +102,7 @@ class FootprintStore:
 
     def _read(self) -> dict[str, dict[str, int]]:
         try:
-            with self.path.open("rb") as f:
-                raw = f.read(MAX_FILE_BYTES + 1)
+            raw = _read_regular(self.path, MAX_FILE_BYTES + 1)
             if len(raw) > MAX_FILE_BYTES:
                 raise ValueError(f"larger than {MAX_FILE_BYTES} bytes")
             data = json.loads(raw)
@@ -141,3 +144,13 @@ class FootprintStore:
                     os.unlink(tmp_name)
                 except OSError:
                     pass
+
+
+def _read_regular(path: Path, limit: int) -> bytes:
+    """Up to `limit` bytes of a regular file. O_NONBLOCK: opening a FIFO must not
+    wait for a writer (the daemon reads this before it serves anything)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise ValueError("not a regular file")
+        return f.read(limit)

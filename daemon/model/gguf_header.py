@@ -2,12 +2,17 @@
 
 The daemon sizes a model before loading it, so it reads the header itself:
 plain struct over the file, no llama.cpp, no numpy. The file is untrusted
-input: every count and length is checked against what the rest of the file
-could hold before anything is allocated or looped over, and any problem is
-one GgufError naming the file and the offset.
+input, read before HTTP binds: every count and length is checked against
+what the rest of the file could hold before anything is allocated or looped
+over, the header may not run past MAX_HEADER_BYTES, and what the reader
+makes (values it decodes) is bounded by MAX_KEPT_BYTES however many keys the
+file has. Any problem is one GgufError naming the file and the offset.
 
-Long arrays (the 262k-token vocabulary, its scores and merges) are walked
-past, not decoded: only their element type and length are kept.
+Long arrays (the 262k-token vocabulary, its scores and merges) and long
+strings are walked past, not decoded: an array of numbers is one seek, an
+array of strings one length read per string; only the element type and the
+length are kept (the footprint needs no more: the vocabulary's size is its
+length).
 """
 
 from __future__ import annotations
@@ -21,17 +26,27 @@ MAGIC = b"GGUF"
 SUPPORTED_VERSIONS = (2, 3)  # v1 used 32-bit counts; llama.cpp no longer reads it
 DEFAULT_ALIGNMENT = 32
 
-# Arrays up to this many elements are decoded; per-layer arrays (head counts,
-# sliding-window flags) of any real model fit, vocabularies do not.
-MAX_KEPT_ARRAY = 1024
+# Bounds on what a header may ask of the reader. Real headers: 6.5 MB for
+# Gemma 3's 262k-token vocabulary, about 10 MB with Llama 3's merges, under
+# 30 MB for old files that embed a whole tokenizer.json; under 100 keys;
+# under 2,000 tensors (DeepSeek V3), about 30,000 with experts stored apart.
+MAX_HEADER_BYTES = 64 * 2**20
+MAX_KEYS = 1 << 16
+MAX_TENSORS = 1 << 17
+# What the reader decodes, in all: per-layer arrays (head counts, sliding-window
+# flags: a few KB), names and a chat template (tens of KB). Past this budget
+# values are walked past like long ones, so 20,000 keys of 1 KiB arrays cost
+# the same memory as 2,000 (each element is counted as the 8 bytes of its
+# pointer, each string as its bytes).
+MAX_KEPT_BYTES = 4 * 2**20
+MAX_KEPT_ARRAY = 1024  # elements; longer arrays are vocabularies, never needed whole
 MAX_NESTING = 8
 MAX_KEY_BYTES = 65535  # the GGUF spec's limit for a key
-MAX_STRING_BYTES = 16 * 1024 * 1024  # a chat template is tens of KB
+MAX_STRING_BYTES = 16 * 1024 * 1024  # longer is refused; a chat template is tens of KB
 MAX_TENSOR_NAME_BYTES = 63  # GGML_MAX_NAME is 64 including the NUL
 MAX_DIMS = 4  # GGML_MAX_DIMS
-MAX_TENSORS = 1 << 20
-MAX_KEYS = 1 << 20
 _READ_BLOCK = 1 << 20
+_POINTER_BYTES = 8
 
 
 class GgufError(ValueError):
@@ -102,13 +117,20 @@ _ARRAY_MIN_BYTES = 12  # element type and length
 
 @dataclass(frozen=True)
 class SkippedArray:
-    """A long array that was walked past: what it holds and how many."""
+    """A long array (or one past the decoding budget) that was walked past: what it holds and how many."""
 
     element_type: int
     length: int
 
 
-Value = Union[int, float, bool, str, tuple, SkippedArray]
+@dataclass(frozen=True)
+class SkippedString:
+    """A string past the decoding budget, walked past: its length in bytes."""
+
+    length: int
+
+
+Value = Union[int, float, bool, str, tuple, SkippedArray, SkippedString]
 
 
 @dataclass(frozen=True)
@@ -139,10 +161,12 @@ class GgufHeader:
 
 
 class _Cursor:
-    """Reads the file in blocks; every read is checked against the file's size."""
+    """Reads the file in blocks, never past MAX_HEADER_BYTES; every read and
+    skip is checked against the file's size first."""
 
     def __init__(self, f: BinaryIO, path: Path, size: int) -> None:
         self.f, self.path, self.size = f, path, size
+        self.end = min(size, MAX_HEADER_BYTES)  # where the header must have ended
         self.pos = 0
         self._buf = b""
         self._buf_start = 0
@@ -151,16 +175,32 @@ class _Cursor:
         return GgufError(f"{self.path}: {problem}")
 
     def remaining(self) -> int:
-        return self.size - self.pos
+        return self.end - self.pos
+
+    def _past_end(self, n: int, doing: str) -> GgufError:
+        if self.pos + n > self.size:
+            return self.error(f"truncated: {n} bytes {doing} at offset {self.pos}, the file has {self.size}")
+        return self._too_long(f"{n} bytes {doing} at offset {self.pos}")
+
+    def _too_long(self, what: str) -> GgufError:
+        return self.error(f"the header runs past {MAX_HEADER_BYTES // 2**20} MiB ({what}); a real model's is "
+                          f"under 30 MiB")
+
+    def check_room(self, n: int, what: str) -> None:
+        """`what` needs at least n more bytes of header: refused before anything is read or made for it."""
+        if n > self.remaining():
+            if self.pos + n > self.size:
+                raise self.error(f"{what} at offset {self.pos} cannot fit in a file of {self.size} bytes")
+            raise self._too_long(f"{what} at offset {self.pos}")
 
     def _window(self, n: int) -> int:
         """Make bytes [pos, pos+n) available; returns their index in the buffer."""
         if n > self.remaining():
-            raise self.error(f"truncated: {n} bytes needed at offset {self.pos}, the file has {self.size}")
+            raise self._past_end(n, "needed")
         start = self.pos - self._buf_start
         if start < 0 or start + n > len(self._buf):
             self.f.seek(self.pos)
-            self._buf = self.f.read(max(n, _READ_BLOCK))
+            self._buf = self.f.read(min(max(n, _READ_BLOCK), self.remaining()))
             self._buf_start = self.pos
             start = 0
             if len(self._buf) < n:
@@ -172,6 +212,13 @@ class _Cursor:
         self.pos += fmt.size
         return fmt.unpack_from(self._buf, start)[0]
 
+    def unpack_many(self, fmt: struct.Struct, count: int) -> tuple:
+        """`count` scalars of one type in one call (a 1024-element array is one unpack, not 1024)."""
+        many = struct.Struct(f"<{count}{fmt.format[-1]}")
+        start = self._window(many.size)
+        self.pos += many.size
+        return many.unpack_from(self._buf, start)
+
     def take(self, n: int) -> bytes:
         start = self._window(n)
         self.pos += n
@@ -179,8 +226,36 @@ class _Cursor:
 
     def skip(self, n: int) -> None:
         if n > self.remaining():
-            raise self.error(f"truncated: {n} bytes to skip at offset {self.pos}, the file has {self.size}")
+            raise self._past_end(n, "to skip")
         self.pos += n
+
+    def skip_strings(self, count: int) -> None:
+        """Walk past `count` length-prefixed strings: one length read each, no
+        object made, within the buffer as long as it lasts (a vocabulary of
+        262k tokens is a tight loop, not 262k method calls)."""
+        while count:
+            i = self._window(_STRING_MIN_BYTES)
+            buf, base, buffered = self._buf, self._buf_start, len(self._buf)
+            while count and i + _STRING_MIN_BYTES <= buffered:
+                i += _STRING_MIN_BYTES + _U64.unpack_from(buf, i)[0]
+                count -= 1
+            # The last length read may point past the buffer, the header or the file.
+            if base + i > self.end:
+                raise self._past_end(base + i - self.pos, "of strings to skip")
+            self.pos = base + i
+
+
+class _Budget:
+    """What the reader may still decode, in bytes (MAX_KEPT_BYTES for one file)."""
+
+    def __init__(self) -> None:
+        self.left = MAX_KEPT_BYTES
+
+    def spend(self, n: int) -> bool:
+        if n > self.left:
+            return False
+        self.left -= n
+        return True
 
 
 def read_header(path: str | Path) -> GgufHeader:
@@ -189,139 +264,140 @@ def read_header(path: str | Path) -> GgufHeader:
     try:
         with path.open("rb") as f:
             size = f.seek(0, 2)
-            return _parse(_Cursor(f, path, size))
+            return _Parser(_Cursor(f, path, size)).header()
     except OSError as exc:
         raise GgufError(f"{path}: cannot be read: {exc.strerror or exc}") from None
 
 
-def _parse(cur: _Cursor) -> GgufHeader:
-    magic = cur.take(4) if cur.size >= 4 else b""
-    if magic != MAGIC:
-        raise cur.error(f"not a GGUF file (starts with {bytes(magic[:4])!r}, expected {MAGIC!r})")
-    version = cur.unpack(_U32)
-    if version not in SUPPORTED_VERSIONS:
-        if int.from_bytes(version.to_bytes(4, "little"), "big") in SUPPORTED_VERSIONS:
-            raise cur.error("big-endian GGUF files are not supported")
-        raise cur.error(f"GGUF version {version} is not supported (only {SUPPORTED_VERSIONS})")
-    n_tensors = cur.unpack(_U64)
-    n_keys = cur.unpack(_U64)
-    # Each key holds at least a 1-byte name, its length, a type and a 1-byte value.
-    _check_count(cur, n_keys, MAX_KEYS, _STRING_MIN_BYTES + 1 + 4 + 1, "metadata keys")
-    metadata: dict[str, Value] = {}
-    for _ in range(n_keys):
+class _Parser:
+    def __init__(self, cur: _Cursor) -> None:
+        self.cur = cur
+        self.budget = _Budget()
+
+    def header(self) -> GgufHeader:
+        cur = self.cur
+        magic = cur.take(4) if cur.size >= 4 else b""
+        if magic != MAGIC:
+            raise cur.error(f"not a GGUF file (starts with {bytes(magic[:4])!r}, expected {MAGIC!r})")
+        version = cur.unpack(_U32)
+        if version not in SUPPORTED_VERSIONS:
+            if int.from_bytes(version.to_bytes(4, "little"), "big") in SUPPORTED_VERSIONS:
+                raise cur.error("big-endian GGUF files are not supported")
+            raise cur.error(f"GGUF version {version} is not supported (only {SUPPORTED_VERSIONS})")
+        n_tensors = cur.unpack(_U64)
+        n_keys = cur.unpack(_U64)
+        # Each key holds at least a 1-byte name, its length, a type and a 1-byte value.
+        self._check_count(n_keys, MAX_KEYS, _STRING_MIN_BYTES + 1 + 4 + 1, "metadata keys")
+        metadata: dict[str, Value] = {}
+        for _ in range(n_keys):
+            at = cur.pos
+            key = self._name(MAX_KEY_BYTES, "key")
+            if key in metadata:
+                raise cur.error(f"duplicate metadata key {key!r} at offset {at}")
+            metadata[key] = self._value(cur.unpack(_U32), depth=0)
+
+        # A tensor info holds at least a 1-byte name, n_dims, one dim, a type and an offset.
+        self._check_count(n_tensors, MAX_TENSORS, _STRING_MIN_BYTES + 1 + 4 + 8 + 4 + 8, "tensors")
+        infos = [self._tensor_info() for _ in range(n_tensors)]
+
+        alignment = metadata.get("general.alignment", DEFAULT_ALIGNMENT)
+        if isinstance(alignment, bool) or not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1):
+            raise cur.error(f"general.alignment {alignment!r} is not a positive power of two")
+        data_offset = -(-cur.pos // alignment) * alignment
+        tensors = _place_tensors(cur, infos, data_offset, alignment)
+        return GgufHeader(cur.path, version, cur.size, data_offset, metadata, tensors)
+
+    def _check_count(self, count: int, cap: int, min_bytes_each: int, what: str) -> None:
+        cur = self.cur
+        if count > cap:
+            raise cur.error(f"{count} {what} at offset {cur.pos}: more than the {cap} this reader accepts")
+        cur.check_room(count * min_bytes_each, f"{count} {what}")
+
+    def _name(self, max_bytes: int, what: str) -> str:
+        cur = self.cur
         at = cur.pos
-        key = _read_name(cur, MAX_KEY_BYTES, "key")
-        if key in metadata:
-            raise cur.error(f"duplicate metadata key {key!r} at offset {at}")
-        metadata[key] = _read_value(cur, cur.unpack(_U32), depth=0)
+        n = cur.unpack(_U64)
+        if n > max_bytes:
+            raise cur.error(f"{what} of {n} bytes at offset {at} is longer than {max_bytes}")
+        raw = cur.take(n)
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError:
+            raise cur.error(f"{what} at offset {at} is not UTF-8") from None
 
-    # A tensor info holds at least a 1-byte name, n_dims, one dim, a type and an offset.
-    _check_count(cur, n_tensors, MAX_TENSORS, _STRING_MIN_BYTES + 1 + 4 + 8 + 4 + 8, "tensors")
-    infos = [_read_tensor_info(cur) for _ in range(n_tensors)]
+    def _string(self) -> str | SkippedString:
+        cur = self.cur
+        at = cur.pos
+        n = cur.unpack(_U64)
+        if n > MAX_STRING_BYTES:
+            raise cur.error(f"string of {n} bytes at offset {at} is longer than {MAX_STRING_BYTES}")
+        if not self.budget.spend(n):
+            cur.skip(n)
+            return SkippedString(n)
+        # Values are text for people (names, templates): an odd byte should not make a model unusable.
+        return cur.take(n).decode("utf-8", errors="replace")
 
-    alignment = metadata.get("general.alignment", DEFAULT_ALIGNMENT)
-    if isinstance(alignment, bool) or not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1):
-        raise cur.error(f"general.alignment {alignment!r} is not a positive power of two")
-    data_offset = -(-cur.pos // alignment) * alignment
-    tensors = _place_tensors(cur, infos, data_offset, alignment)
-    return GgufHeader(cur.path, version, cur.size, data_offset, metadata, tensors)
+    def _value(self, value_type: int, depth: int) -> Value:
+        scalar = _SCALARS.get(value_type)
+        if scalar is not None:
+            value = self.cur.unpack(scalar)
+            return bool(value) if value_type == BOOL else value
+        if value_type == STRING:
+            return self._string()
+        if value_type == ARRAY:
+            return self._array(depth)
+        raise self.cur.error(f"unknown metadata value type {value_type} at offset {self.cur.pos - 4}")
 
+    def _array_head(self, depth: int) -> tuple[int, int]:
+        """An array's element type and length, both checked against the file."""
+        cur = self.cur
+        at = cur.pos
+        if depth >= MAX_NESTING:
+            raise cur.error(f"arrays nested deeper than {MAX_NESTING} at offset {at}")
+        element_type = cur.unpack(_U32)
+        if element_type not in _SCALARS and element_type not in (STRING, ARRAY):
+            raise cur.error(f"unknown array element type {element_type} at offset {at}")
+        length = cur.unpack(_U64)
+        cur.check_room(length * _min_bytes(element_type), f"array of {length} elements (from offset {at})")
+        return element_type, length
 
-def _check_count(cur: _Cursor, count: int, cap: int, min_bytes_each: int, what: str) -> None:
-    if count > cap or count * min_bytes_each > cur.remaining():
-        raise cur.error(f"{count} {what} at offset {cur.pos} cannot fit in a file of {cur.size} bytes")
+    def _array(self, depth: int) -> tuple | SkippedArray:
+        element_type, length = self._array_head(depth)
+        if length <= MAX_KEPT_ARRAY and self.budget.spend(length * _POINTER_BYTES):
+            scalar = _SCALARS.get(element_type)
+            if scalar is None:
+                return tuple(self._value(element_type, depth + 1) for _ in range(length))
+            values = self.cur.unpack_many(scalar, length)
+            return tuple(bool(v) for v in values) if element_type == BOOL else values
+        self._skip_elements(element_type, length, depth)
+        return SkippedArray(element_type, length)
 
+    def _skip_elements(self, element_type: int, length: int, depth: int) -> None:
+        if element_type in _SCALARS:
+            self.cur.skip(length * _SCALARS[element_type].size)
+        elif element_type == STRING:
+            self.cur.skip_strings(length)
+        else:
+            for _ in range(length):
+                self._skip_elements(*self._array_head(depth + 1), depth + 1)
 
-def _read_name(cur: _Cursor, max_bytes: int, what: str) -> str:
-    at = cur.pos
-    n = cur.unpack(_U64)
-    if n > max_bytes:
-        raise cur.error(f"{what} of {n} bytes at offset {at} is longer than {max_bytes}")
-    raw = cur.take(n)
-    try:
-        return raw.decode("utf-8")
-    except UnicodeDecodeError:
-        raise cur.error(f"{what} at offset {at} is not UTF-8") from None
-
-
-def _read_string(cur: _Cursor) -> str:
-    at = cur.pos
-    n = cur.unpack(_U64)
-    if n > MAX_STRING_BYTES:
-        raise cur.error(f"string of {n} bytes at offset {at} is longer than {MAX_STRING_BYTES}")
-    # Values are text for people (names, templates): an odd byte should not make a model unusable.
-    return cur.take(n).decode("utf-8", errors="replace")
+    def _tensor_info(self) -> tuple[str, tuple[int, ...], int, int]:
+        cur = self.cur
+        at = cur.pos
+        name = self._name(MAX_TENSOR_NAME_BYTES, "tensor name")
+        n_dims = cur.unpack(_U32)
+        if n_dims > MAX_DIMS:
+            raise cur.error(f"tensor {name!r} at offset {at} has {n_dims} dimensions (at most {MAX_DIMS})")
+        dims = cur.unpack_many(_U64, n_dims)
+        ggml_type = cur.unpack(_U32)
+        offset = cur.unpack(_U64)
+        return name, dims, ggml_type, offset
 
 
 def _min_bytes(value_type: int) -> int:
     if value_type in _SCALARS:
         return _SCALARS[value_type].size
     return _STRING_MIN_BYTES if value_type == STRING else _ARRAY_MIN_BYTES
-
-
-def _read_value(cur: _Cursor, value_type: int, depth: int) -> Value:
-    scalar = _SCALARS.get(value_type)
-    if scalar is not None:
-        value = cur.unpack(scalar)
-        return bool(value) if value_type == BOOL else value
-    if value_type == STRING:
-        return _read_string(cur)
-    if value_type == ARRAY:
-        return _read_array(cur, depth)
-    raise cur.error(f"unknown metadata value type {value_type} at offset {cur.pos - 4}")
-
-
-def _read_array(cur: _Cursor, depth: int) -> tuple | SkippedArray:
-    at = cur.pos
-    if depth >= MAX_NESTING:
-        raise cur.error(f"arrays nested deeper than {MAX_NESTING} at offset {at}")
-    element_type = cur.unpack(_U32)
-    if element_type not in _SCALARS and element_type not in (STRING, ARRAY):
-        raise cur.error(f"unknown array element type {element_type} at offset {at}")
-    length = cur.unpack(_U64)
-    if length * _min_bytes(element_type) > cur.remaining():
-        raise cur.error(f"array of {length} elements at offset {at} cannot fit in a file of {cur.size} bytes")
-    if length <= MAX_KEPT_ARRAY:
-        return tuple(_read_value(cur, element_type, depth + 1) for _ in range(length))
-    if element_type in _SCALARS:
-        cur.skip(length * _SCALARS[element_type].size)
-    else:
-        for _ in range(length):
-            _skip_value(cur, element_type, depth + 1)
-    return SkippedArray(element_type, length)
-
-
-def _skip_value(cur: _Cursor, value_type: int, depth: int) -> None:
-    if value_type == STRING:
-        cur.skip(cur.unpack(_U64))
-    elif value_type == ARRAY:
-        if depth >= MAX_NESTING:
-            raise cur.error(f"arrays nested deeper than {MAX_NESTING} at offset {cur.pos}")
-        element_type = cur.unpack(_U32)
-        length = cur.unpack(_U64)
-        if element_type in _SCALARS:
-            cur.skip(length * _SCALARS[element_type].size)
-        elif element_type in (STRING, ARRAY):
-            if length * _min_bytes(element_type) > cur.remaining():
-                raise cur.error(f"array of {length} elements at offset {cur.pos - 12} cannot fit in the file")
-            for _ in range(length):
-                _skip_value(cur, element_type, depth + 1)
-        else:
-            raise cur.error(f"unknown array element type {element_type} at offset {cur.pos - 12}")
-    else:
-        cur.skip(_SCALARS[value_type].size)
-
-
-def _read_tensor_info(cur: _Cursor) -> tuple[str, tuple[int, ...], int, int]:
-    at = cur.pos
-    name = _read_name(cur, MAX_TENSOR_NAME_BYTES, "tensor name")
-    n_dims = cur.unpack(_U32)
-    if n_dims > MAX_DIMS:
-        raise cur.error(f"tensor {name!r} at offset {at} has {n_dims} dimensions (at most {MAX_DIMS})")
-    dims = tuple(cur.unpack(_U64) for _ in range(n_dims))
-    ggml_type = cur.unpack(_U32)
-    offset = cur.unpack(_U64)
-    return name, dims, ggml_type, offset
 
 
 def _place_tensors(cur: _Cursor, infos: list[tuple[str, tuple[int, ...], int, int]], data_offset: int,

@@ -8,11 +8,22 @@ One file per saved slot prefix, in the model's own directory
 The header carries the model's fingerprint (file size, mtime and a hash of
 the GGUF's first MiB), the context parameters that decide the KV layout
 (slot context, cache types, layers, embedding width, sliding-window mode),
-the token list and a checksum of the state bytes. A file that does not
-match the model or the layout, is truncated, or fails its checksum is
-deleted and counted, never trusted. Files are written atomically (temporary
-file, fsync, rename, fsync of the directory) and kept within a byte budget,
-least recently used deleted first.
+the token list and a checksum that seals the whole file: the header's
+fields (its checksum left blank) and the state bytes. A token list swapped
+into another file's header fails it, and so does a file renamed to another
+prompt's name (the name must be the hash of the tokens it holds). A file
+that does not match the model or the layout, is truncated, is misnamed or
+fails its checksum is deleted and counted, never trusted. Files are written
+atomically (temporary file, fsync, rename, fsync of the directory) and kept
+within a byte budget, least recently used deleted first.
+
+The directory is the daemon's own, so nothing below state_dir is followed:
+every operation walks from state_dir to `kv/<model id>` refusing a symbolic
+link at either step (O_NOFOLLOW), then reads, renames and deletes relative
+to that directory's descriptor, each file opened O_NOFOLLOW too. A link
+planted there can never make the worker read or delete files elsewhere; a
+refused directory raises UnsafeDirectory (an OSError), and the worker
+serves without saved prompts for that model.
 
 Pure Python, no llama.cpp: the worker writes and reads them, the daemon
 reads their headers to show what is saved while the model sleeps.
@@ -20,28 +31,39 @@ reads their headers to show what is saved while the model sleeps.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
 import stat as stat_mode
 import struct
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO, Iterator
 
 import msgspec
 
 MAGIC = b"DMKV"
-FORMAT_VERSION = 1
+# 2: the checksum seals the header too (1 covered the state only); files of 1 are deleted at the next scan.
+FORMAT_VERSION = 2
 PREFIX = struct.Struct("<4sII")
 SUFFIX = ".kv"
 MAX_HEADER_BYTES = 16 * 2**20  # a token list of a few million ids at most
 HEAD_BYTES_HASHED = 2**20
+# state_dir/kv/<model id>: the two levels the daemon makes, so neither may be a link.
+# (state_dir itself is the operator's: systemd's StateDirectory= with DynamicUser is one.)
+OWN_LEVELS = 2
+_DIRECTORY_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
 class KvFileError(ValueError):
     def __init__(self, reason: str, message: str) -> None:
         super().__init__(message)
         self.reason = reason  # truncated, corrupt, other_model, other_layout, version, unreadable
+
+
+class UnsafeDirectory(OSError):
+    """The model's directory, or state_dir/kv, is a symbolic link or not a directory."""
 
 
 Scalar = str | int | bool
@@ -53,100 +75,183 @@ class KvHeader(msgspec.Struct):
     layout: dict[str, Scalar]
     tokens: list[int]
     state_bytes: int
-    checksum: str
+    checksum: str  # seal(): set by write_file, whatever the caller put here
 
 
 def model_fingerprint(path: str | Path) -> dict[str, Any]:
     """Size, mtime and a hash of the first MiB: a replaced or edited GGUF never matches."""
-    stat = os.stat(path)
+    info = os.stat(path)
     with open(path, "rb") as f:
         head = hashlib.blake2b(f.read(HEAD_BYTES_HASHED), digest_size=16).hexdigest()
-    return {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns, "head": head}
+    return {"size": info.st_size, "mtime_ns": info.st_mtime_ns, "head": head}
 
 
 def tokens_name(tokens: list[int]) -> str:
+    """The file name for a token list. Raises struct.error for ids outside int32."""
     return hashlib.blake2b(struct.pack(f"<{len(tokens)}i", *tokens), digest_size=16).hexdigest() + SUFFIX
 
 
 def checksum(state: bytes) -> str:
+    """A digest of the state alone. Kept for callers that still fill
+    KvHeader.checksum with it; write_file replaces it with seal()."""
     return hashlib.blake2b(state, digest_size=16).hexdigest()
 
 
-def write_file(directory: Path, header: KvHeader, state: bytes) -> Path:
-    """Atomically: a reader sees the old file, or the whole new one."""
-    directory.mkdir(parents=True, exist_ok=True)
-    body = msgspec.msgpack.encode(header)
-    target = directory / tokens_name(header.tokens)
-    temporary = directory / f".{target.name}.{os.getpid()}.tmp"
+def seal(header: KvHeader, state: bytes) -> str:
+    """The checksum a file carries: its format, every header field (the checksum
+    itself blank) and the state. Re-encoding a decoded header gives the bytes
+    write_file encoded (msgspec keeps field and key order), so a reader needs
+    nothing but the header and the state to check it."""
+    body = msgspec.msgpack.encode(msgspec.structs.replace(header, checksum=""))
+    digest = hashlib.blake2b(digest_size=16)
+    digest.update(PREFIX.pack(MAGIC, FORMAT_VERSION, len(body)))
+    digest.update(body)
+    digest.update(state)
+    return digest.hexdigest()
+
+
+# -- the directory, never through a link --
+
+def _split(directory: Path) -> tuple[Path, tuple[str, ...]]:
+    """(the operator's part, the daemon's own last OWN_LEVELS names)."""
+    parts = directory.parts
+    own = min(OWN_LEVELS, len(parts) - (1 if directory.anchor else 0))
+    return Path(*parts[:len(parts) - own]), parts[len(parts) - own:]
+
+
+@contextmanager
+def _directory(directory: Path, create: bool = False) -> Iterator[int]:
+    """A descriptor on `directory` itself, walked to without following a link in
+    the daemon's own levels. FileNotFoundError when absent (and not `create`),
+    UnsafeDirectory when a level is a link or not a directory."""
+    base, own = _split(directory)
+    if create:
+        base.mkdir(parents=True, exist_ok=True)
+    fd = os.open(base, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
-        with open(temporary, "wb") as f:
-            f.write(PREFIX.pack(MAGIC, FORMAT_VERSION, len(body)))
-            f.write(body)
-            f.write(state)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(temporary, target)
-    finally:
-        temporary.unlink(missing_ok=True)
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
+        for name in own:
+            if name in (".", ".."):
+                raise UnsafeDirectory(errno.EINVAL, f"{directory}: {name!r} in the prompt cache's path")
+            if create:
+                try:
+                    os.mkdir(name, dir_fd=fd)
+                except FileExistsError:
+                    pass
+            try:
+                child = os.open(name, _DIRECTORY_FLAGS, dir_fd=fd)
+            except OSError as exc:
+                if exc.errno not in (errno.ELOOP, errno.ENOTDIR):
+                    raise
+                raise UnsafeDirectory(exc.errno, f"{directory}: {name} is a symbolic link or not a directory; "
+                                                 f"saved prompt caches are off for this model (nothing below "
+                                                 f"state_dir is followed: move state_dir itself instead)") from None
+            os.close(fd)
+            fd = child
+        yield fd
     finally:
         os.close(fd)
-    return target
 
 
-def _open_regular(path: Path):
-    """A binary file object for a regular file. O_NONBLOCK: a FIFO planted as
-    x.kv must not block the open; O_NOFOLLOW: no symlink is followed."""
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0))
+def _open_file(dir_fd: int, name: str) -> BinaryIO:
+    """A regular file in the directory. O_NOFOLLOW: no link is followed;
+    O_NONBLOCK: a FIFO planted as x.kv must not block the open."""
+    fd = os.open(name, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
     if not stat_mode.S_ISREG(os.fstat(fd).st_mode):
         os.close(fd)
-        raise KvFileError("corrupt", f"{path.name}: not a regular file")
+        raise KvFileError("corrupt", f"{name}: not a regular file")
     return os.fdopen(fd, "rb")
+
+
+def _unlink(dir_fd: int, name: str) -> None:
+    try:
+        os.unlink(name, dir_fd=dir_fd)
+    except FileNotFoundError:
+        pass
+
+
+# -- one file --
+
+def write_file(directory: Path, header: KvHeader, state: bytes) -> Path:
+    """Atomically: a reader sees the old file, or the whole new one. The header is
+    sealed here (its checksum set to seal()). Raises OSError, UnsafeDirectory included."""
+    sealed = msgspec.structs.replace(header, checksum=seal(header, state))
+    body = msgspec.msgpack.encode(sealed)
+    name = tokens_name(header.tokens)
+    temporary = f".{name}.{os.getpid()}.tmp"
+    with _directory(directory, create=True) as dir_fd:
+        try:
+            fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
+                         dir_fd=dir_fd)
+            with os.fdopen(fd, "wb") as f:
+                f.write(PREFIX.pack(MAGIC, FORMAT_VERSION, len(body)))
+                f.write(body)
+                f.write(state)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(temporary, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+        finally:
+            _unlink(dir_fd, temporary)
+        os.fsync(dir_fd)  # the rename itself survives a crash
+    return directory / name
+
+
+def _read_header(f: BinaryIO, name: str) -> tuple[KvHeader, int]:
+    size = os.fstat(f.fileno()).st_size
+    prefix = f.read(PREFIX.size)
+    if len(prefix) < PREFIX.size:
+        raise KvFileError("truncated", f"{name}: shorter than its prefix")
+    magic, version, header_len = PREFIX.unpack(prefix)
+    if magic != MAGIC:
+        raise KvFileError("corrupt", f"{name}: not a saved prompt cache")
+    if version != FORMAT_VERSION:
+        raise KvFileError("version", f"{name}: format {version}, this daemon reads {FORMAT_VERSION}")
+    if header_len > MAX_HEADER_BYTES or PREFIX.size + header_len > size:
+        raise KvFileError("truncated", f"{name}: header of {header_len} bytes past the end")
+    raw = f.read(header_len)
+    try:
+        header = msgspec.msgpack.decode(raw, type=KvHeader)
+    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError) as exc:
+        raise KvFileError("corrupt", f"{name}: header does not decode ({exc!r:.200})") from None
+    offset = PREFIX.size + header_len
+    if size != offset + header.state_bytes:
+        raise KvFileError("truncated", f"{name}: {size - offset} state bytes, the header says {header.state_bytes}")
+    try:
+        named = tokens_name(header.tokens)
+    except struct.error:
+        raise KvFileError("corrupt", f"{name}: token ids outside int32") from None
+    if named != name:
+        raise KvFileError("corrupt", f"{name}: holds the tokens of {named}, not its own")
+    return header, offset
 
 
 def read_header(path: Path) -> tuple[KvHeader, int]:
     """The header and the offset of the state bytes; checks everything but the checksum."""
     try:
-        with _open_regular(path) as f:
-            size = os.fstat(f.fileno()).st_size
-            prefix = f.read(PREFIX.size)
-            if len(prefix) < PREFIX.size:
-                raise KvFileError("truncated", f"{path.name}: shorter than its prefix")
-            magic, version, header_len = PREFIX.unpack(prefix)
-            if magic != MAGIC:
-                raise KvFileError("corrupt", f"{path.name}: not a saved prompt cache")
-            if version != FORMAT_VERSION:
-                raise KvFileError("version", f"{path.name}: format {version}, this daemon reads {FORMAT_VERSION}")
-            if header_len > MAX_HEADER_BYTES or PREFIX.size + header_len > size:
-                raise KvFileError("truncated", f"{path.name}: header of {header_len} bytes past the end")
-            raw = f.read(header_len)
+        with _directory(path.parent) as dir_fd, _open_file(dir_fd, path.name) as f:
+            return _read_header(f, path.name)
     except OSError as exc:
-        raise KvFileError("unreadable", f"{path.name}: {exc.strerror}") from None
-    try:
-        header = msgspec.msgpack.decode(raw, type=KvHeader)
-    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError) as exc:
-        raise KvFileError("corrupt", f"{path.name}: header does not decode ({exc!r:.200})") from None
-    offset = PREFIX.size + header_len
-    if size != offset + header.state_bytes:
-        raise KvFileError("truncated", f"{path.name}: {size - offset} state bytes, the header says {header.state_bytes}")
-    return header, offset
+        raise KvFileError("unreadable", f"{path.name}: {exc.strerror or exc}") from None
 
 
 def read_state(path: Path, header: KvHeader, offset: int) -> bytes:
+    """The state bytes, if the file still holds `header` (read again here: the
+    file may have been replaced since) and its seal holds over header and state."""
     try:
-        with _open_regular(path) as f:
-            f.seek(offset)
-            state = f.read(header.state_bytes)
+        with _directory(path.parent) as dir_fd, _open_file(dir_fd, path.name) as f:
+            found, found_offset = _read_header(f, path.name)
+            state = f.read(found.state_bytes)  # the file is at the state's offset
     except OSError as exc:
-        raise KvFileError("unreadable", f"{path.name}: {exc.strerror}") from None
+        raise KvFileError("unreadable", f"{path.name}: {exc.strerror or exc}") from None
+    if found != header or found_offset != offset:
+        raise KvFileError("corrupt", f"{path.name}: changed since its header was read")
     if len(state) != header.state_bytes:
         raise KvFileError("truncated", f"{path.name}: ends early")
-    if checksum(state) != header.checksum:
-        raise KvFileError("corrupt", f"{path.name}: the state fails its checksum")
+    if seal(found, state) != found.checksum:
+        raise KvFileError("corrupt", f"{path.name}: header or state fails its checksum")
     return state
 
+
+# -- the model's files --
 
 @dataclass
 class KvEntry:
@@ -170,33 +275,64 @@ class KvIndex:
 
     @classmethod
     def scan(cls, directory: Path, model: dict[str, Any], layout: dict[str, Any], delete_bad: bool = True) -> "KvIndex":
+        """Raises UnsafeDirectory (an OSError) for a directory behind a link; an absent one is empty."""
         index = cls(directory, model, layout)
-        if delete_bad and directory.is_dir():
-            for leftover in directory.glob(".*.tmp"):  # a save killed mid-write
-                leftover.unlink(missing_ok=True)
-        for path in sorted(directory.glob("*" + SUFFIX)) if directory.is_dir() else []:
+        try:
+            with _directory(directory) as dir_fd:
+                index._scan(dir_fd, delete_bad)
+        except FileNotFoundError:
+            pass
+        return index
+
+    def _scan(self, dir_fd: int, delete_bad: bool) -> None:
+        names = sorted(os.listdir(dir_fd))
+        if delete_bad:
+            for name in names:
+                if name.startswith(".") and name.endswith(".tmp"):  # a save killed mid-write
+                    try:
+                        _unlink(dir_fd, name)
+                    except OSError:  # a directory of that name, a read-only state directory
+                        pass
+        for name in names:
+            if not name.endswith(SUFFIX) or name.startswith("."):
+                continue
             try:
-                header, offset = read_header(path)
-                if header.model != model:
-                    raise KvFileError("other_model", f"{path.name}: saved for another model file")
-                if header.layout != layout:
-                    raise KvFileError("other_layout", f"{path.name}: saved with other context parameters")
-                if len(header.tokens) > int(layout.get("n_ctx_slot", len(header.tokens))):
-                    raise KvFileError("corrupt", f"{path.name}: more tokens than a slot holds")
+                try:
+                    with _open_file(dir_fd, name) as f:
+                        header, offset = _read_header(f, name)
+                        info = os.fstat(f.fileno())
+                except OSError as exc:
+                    raise KvFileError("unreadable", f"{name}: {exc.strerror or exc}") from None
+                if header.model != self.model:
+                    raise KvFileError("other_model", f"{name}: saved for another model file")
+                if header.layout != self.layout:
+                    raise KvFileError("other_layout", f"{name}: saved with other context parameters")
+                if len(header.tokens) > int(self.layout.get("n_ctx_slot", len(header.tokens))):
+                    raise KvFileError("corrupt", f"{name}: more tokens than a slot holds")
             except KvFileError as exc:
                 if delete_bad:
-                    index.reject(path, exc.reason)
+                    self._reject_in(dir_fd, name, exc.reason)
                 continue
-            stat = path.stat()
-            index.entries.append(KvEntry(path, header.tokens, header.state_bytes, offset, stat.st_size, stat.st_mtime))
-        return index
+            self.entries.append(KvEntry(self.directory / name, header.tokens, header.state_bytes, offset,
+                                        info.st_size, info.st_mtime))
 
     def reject(self, path: Path, reason: str) -> None:
         """Forget a file that is not to be trusted, and delete it if the directory lets us."""
         try:
-            path.unlink(missing_ok=True)
+            with _directory(path.parent) as dir_fd:
+                _unlink(dir_fd, path.name)
         except OSError:
-            pass  # a read-only state directory: never trusted all the same
+            pass  # a read-only or refused state directory: never trusted all the same
+        self._count(path, reason)
+
+    def _reject_in(self, dir_fd: int, name: str, reason: str) -> None:
+        try:
+            _unlink(dir_fd, name)
+        except OSError:
+            pass
+        self._count(self.directory / name, reason)
+
+    def _count(self, path: Path, reason: str) -> None:
         self.rejected[reason] = self.rejected.get(reason, 0) + 1
         self.entries = [e for e in self.entries if e.path != path]
 
@@ -212,32 +348,41 @@ class KvIndex:
 
     def add(self, path: Path, tokens: list[int], state_bytes: int, offset: int) -> None:
         """A new file; older files it makes useless (a prefix of its tokens) go."""
-        for entry in list(self.entries):
-            if entry.path == path:  # rewritten in place
-                self.entries.remove(entry)
-            elif len(entry.tokens) < len(tokens) and tokens[:len(entry.tokens)] == entry.tokens:
-                entry.path.unlink(missing_ok=True)  # superseded: the new file restores all it did and more
-                self.entries.remove(entry)
-        stat = path.stat()
-        self.entries.append(KvEntry(path, tokens, state_bytes, offset, stat.st_size, stat.st_mtime))
+        with _directory(self.directory) as dir_fd:
+            for entry in list(self.entries):
+                if entry.path == path:  # rewritten in place
+                    self.entries.remove(entry)
+                elif len(entry.tokens) < len(tokens) and tokens[:len(entry.tokens)] == entry.tokens:
+                    _unlink(dir_fd, entry.path.name)  # superseded: the new file restores all it did and more
+                    self.entries.remove(entry)
+            info = os.stat(path.name, dir_fd=dir_fd, follow_symlinks=False)
+        self.entries.append(KvEntry(path, tokens, state_bytes, offset, info.st_size, info.st_mtime))
 
     def touch(self, entry: KvEntry) -> None:
-        os.utime(entry.path)
-        entry.used_at = entry.path.stat().st_mtime
+        with _directory(self.directory) as dir_fd:
+            os.utime(entry.path.name, dir_fd=dir_fd, follow_symlinks=False)
+            entry.used_at = os.stat(entry.path.name, dir_fd=dir_fd, follow_symlinks=False).st_mtime
 
     @property
     def disk_bytes(self) -> int:
         return sum(e.file_bytes for e in self.entries)
 
     def keep_within(self, budget: int) -> int:
-        """Delete the least recently used files until the rest fit; how many went."""
+        """Delete the least recently used files until the rest fit; how many went.
+        A directory that cannot be opened (gone, refused) deletes nothing: never raises."""
         gone = 0
-        for entry in sorted(self.entries, key=lambda e: e.used_at):
-            if self.disk_bytes <= budget:
-                break
-            entry.path.unlink(missing_ok=True)
-            self.entries.remove(entry)
-            gone += 1
+        if self.disk_bytes <= budget:
+            return gone
+        try:
+            with _directory(self.directory) as dir_fd:
+                for entry in sorted(self.entries, key=lambda e: e.used_at):
+                    if self.disk_bytes <= budget:
+                        break
+                    _unlink(dir_fd, entry.path.name)
+                    self.entries.remove(entry)
+                    gone += 1
+        except OSError:
+            pass
         return gone
 
     def summary(self) -> dict[str, Any]:
@@ -247,15 +392,23 @@ class KvIndex:
 
 def describe_dir(directory: Path) -> dict[str, Any]:
     """What is saved, from the headers alone (the daemon cannot judge the
-    layout without llama.cpp; the worker checks and deletes at its load)."""
+    layout without llama.cpp; the worker checks and deletes at its load).
+    A directory behind a link shows nothing: the worker will not use it."""
     files, total, prefixes = 0, 0, []
-    for path in directory.glob("*" + SUFFIX) if directory.is_dir() else []:
-        try:
-            header, _ = read_header(path)
-            size = path.stat().st_size
-        except (KvFileError, OSError):
-            continue
-        files += 1
-        total += size
-        prefixes.append(len(header.tokens))
+    try:
+        with _directory(directory) as dir_fd:
+            for name in os.listdir(dir_fd):
+                if not name.endswith(SUFFIX) or name.startswith("."):
+                    continue
+                try:
+                    with _open_file(dir_fd, name) as f:
+                        header, _ = _read_header(f, name)
+                        size = os.fstat(f.fileno()).st_size
+                except (KvFileError, OSError):
+                    continue
+                files += 1
+                total += size
+                prefixes.append(len(header.tokens))
+    except OSError:
+        pass
     return {"files": files, "bytes": total, "prefixes": sorted(prefixes, reverse=True)[:32]}

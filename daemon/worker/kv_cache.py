@@ -14,8 +14,8 @@ from importlib import metadata
 from pathlib import Path
 
 from daemon import protocol as p
-from daemon.model.kv_files import (FORMAT_VERSION, KvEntry, KvFileError, KvHeader, KvIndex, checksum,
-                                   model_fingerprint, read_header, read_state, write_file)
+from daemon.model.kv_files import (FORMAT_VERSION, KvEntry, KvFileError, KvHeader, KvIndex, model_fingerprint,
+                                   read_header, read_state, write_file)
 from daemon.worker.llama_lib import llama
 from daemon.worker.reuse import ReuseRule
 from daemon.worker.slot import Slot, common_prefix
@@ -156,11 +156,12 @@ class SavedPrompts:
                 buf = (ctypes.c_uint8 * size)()
                 got = llama.llama_state_seq_get_data(self.ctx, buf, size, slot.id)
                 state = ctypes.string_at(buf, got)  # bytes(buf[:got]) went through a list of ints: 50x slower
-                header = KvHeader(FORMAT_VERSION, self.index.model, self.index.layout, tokens, len(state),
-                                  checksum(state))
-                path = write_file(self.index.directory, header, state)
+                del buf  # one slot's state held twice at most, as the footprint counts (kv_transfer)
+                header = KvHeader(FORMAT_VERSION, self.index.model, self.index.layout, tokens, len(state), "")
+                path = write_file(self.index.directory, header, state)  # seals header and state together
+                del state
                 _, offset = read_header(path)
-                self.index.add(path, tokens, len(state), offset)
+                self.index.add(path, tokens, header.state_bytes, offset)
                 written += path.stat().st_size
                 saved += 1
             except (OSError, KvFileError):

@@ -165,4 +165,7 @@ def test_header_round_trip(tmp_path):
     header = msgspec.structs.replace(header, checksum=checksum(b"abcd"))
     path = write_file(tmp_path, header, b"abcd")
     got, offset = read_header(path)
-    assert got == header and read_state(path, got, offset) == b"abcd"
+    from daemon.model import kv_files
+
+    sealed = msgspec.structs.replace(header, checksum=kv_files.seal(header, b"abcd"))  # covers the header too
+    assert got == sealed and read_state(path, got, offset) == b"abcd"

@@ -581,3 +581,109 @@ def test_key_changes_with_each_file_and_setting(tmp_path):
     with_draft = footprint_key(model, 4096, 4, model_draft=draft)
     os.utime(draft, ns=(stat.st_atime_ns, stat.st_mtime_ns + 5))
     assert footprint_key(model, 4096, 4, model_draft=draft) != with_draft
+
+
+# -- what grows after a load (issue 16, section 5) --
+
+def write_projector_header(path: Path, *, width: int, ffn: int, image: int, patch: int, heads: int, blocks: int,
+                    first_projection: int, text_embd: int = 640) -> Path:
+    """A llava-style ("mlp") projector header of this shape; the tensors only
+    need the right shapes (the prediction reads mm.0's width)."""
+    writer = gguf.GGUFWriter(str(path), "clip")
+    writer.add_string("clip.projector_type", "mlp")
+    for key, value in (("image_size", image), ("patch_size", patch), ("embedding_length", width),
+                       ("feed_forward_length", ffn), ("projection_dim", text_embd), ("attention.head_count", heads),
+                       ("block_count", blocks)):
+        writer.add_uint32(f"clip.vision.{key}", value)
+    writer.add_tensor("v.patch_embd.weight", np.zeros((width, 3, patch, patch), dtype=np.float16))
+    writer.add_tensor("mm.0.weight", np.zeros((first_projection, width), dtype=np.float32))
+    writer.add_tensor("mm.2.weight", np.zeros((text_embd, first_projection), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+# The projector's compute buffer as this llama.cpp (llama-cpp-python 0.3.36, CPU
+# build) reserves it at mtmd_init_from_file's warm-up ("CPU compute buffer size =
+# N MiB", so rounded to 0.01 MiB), loaded beside the bundled model (text width 640).
+PROJECTORS_MEASURED = [
+    # width, ffn, image, patch, heads, blocks, mm.0 width, compute buffer bytes
+    (32, 64, 32, 8, 2, 1, 64, 41943), (32, 64, 64, 8, 2, 1, 64, 188743), (32, 64, 128, 8, 2, 1, 64, 754974),
+    (32, 64, 128, 8, 2, 3, 64, 786432), (128, 64, 128, 8, 2, 1, 64, 849346), (32, 512, 128, 8, 2, 1, 512, 1216348),
+    (32, 64, 128, 8, 8, 1, 64, 754974), (32, 64, 128, 16, 2, 1, 64, 293601), (256, 1024, 224, 14, 4, 1, 1024, 1971322),
+    (1024, 4096, 336, 14, 16, 1, 4096, 13159628), (32, 512, 128, 8, 2, 1, 64, 754974),
+    (32, 64, 128, 8, 2, 1, 512, 1216348), (32, 2048, 128, 8, 2, 1, 64, 754974), (512, 64, 128, 8, 2, 2, 64, 2820669),
+    (512, 2048, 128, 8, 2, 2, 64, 3869245), (128, 64, 128, 8, 2, 2, 64, 723517), (512, 64, 128, 8, 8, 2, 64, 2820669),
+    (512, 64, 256, 8, 2, 2, 64, 11282677), (512, 64, 128, 8, 2, 4, 64, 2820669), (128, 1024, 128, 8, 2, 2, 64, 1509949),
+]
+MIB_ROUNDING = 0.005 * 2**20
+
+
+@pytest.mark.parametrize("width, ffn, image, patch, heads, blocks, first, measured", PROJECTORS_MEASURED)
+def test_projector_compute_buffer_is_never_under_the_measurement(tmp_path, width, ffn, image, patch, heads, blocks,
+                                                                  first, measured):
+    path = write_projector_header(tmp_path / "p.gguf", width=width, ffn=ffn, image=image, patch=patch, heads=heads,
+                           blocks=blocks, first_projection=first)
+    predicted = fp.projector_compute_bytes(read_header(path), 640)
+    assert predicted >= measured - MIB_ROUNDING
+    if blocks > 1:  # llava skips a projector's last block: a one-block one never runs its layer term
+        assert predicted <= 1.5 * measured
+
+
+def test_predict_counts_the_projector_weights_and_its_compute_buffer(tmp_path, bundled):
+    path = write_projector_header(tmp_path / "p.gguf", width=512, ffn=64, image=256, patch=8, heads=2, blocks=2,
+                           first_projection=64)
+    header = read_header(path)
+    predicted = predict(bundled, ctx_size=512, parallel=1, mmproj=path)
+    compute = fp.projector_compute_bytes(header, 640)
+    assert compute > header.tensor_bytes  # here the buffer is the larger part: it was left out before
+    assert predicted.mmproj == header.tensor_bytes + compute
+    audio, _ = write_model(tmp_path / "audio.gguf", arch="clip", n_layer=1)  # no clip.vision keys
+    assert fp.projector_compute_bytes(read_header(audio), 640) == 0
+
+
+# llama_state_seq_get_size after decoding n tokens into sequence 0 of a fresh
+# context of the bundled model: (ctx_size, parallel, batch_size, tokens, bytes).
+SAVED_STATES_MEASURED = [(4096, 1, 512, 1000, 10954936), (4096, 1, 512, 3000, 17122936),
+                         (4096, 4, 512, 1000, 10954960), (2048, 1, 128, 2000, 14038936)]
+
+
+@pytest.mark.parametrize("ctx_size, parallel, batch_size, tokens, measured", SAVED_STATES_MEASURED)
+def test_saved_state_bytes_match_llama_cpp(bundled_header, ctx_size, parallel, batch_size, tokens, measured):
+    predicted = fp.saved_state_bytes(shape_of(bundled_header), tokens, type_k=F16, type_v=F16)
+    assert measured <= predicted <= measured + 8192
+
+
+def test_the_prompt_cache_transfer_counts_a_full_slot_twice(bundled, bundled_header, monkeypatch):
+    monkeypatch.setattr(fp, "read_header", lambda path: bundled_header)
+    full_slot = fp.saved_state_bytes(shape_of(bundled_header), 4096, type_k=F16, type_v=F16)
+    assert predict(bundled, ctx_size=8192, parallel=2).kv_transfer == 2 * full_slot  # 8192 / 2 cells a slot
+    assert predict(bundled, ctx_size=8192, parallel=2, prompt_cache=False).kv_transfer == 0
+    assert predict(bundled, ctx_size=8192, parallel=2, embeddings=True).kv_transfer == 0
+
+
+def test_counted_keeps_what_grows_at_its_prediction_when_the_load_measured_less():
+    """The reproduction's numbers: an embeddings context measured at load (789 MiB
+    in all) under its prediction (1298 MiB); one long input later the worker held 1197."""
+    mib = 2**20
+    predicted = Footprint(model=235 * mib, context=1063 * mib, kv_transfer=0)
+    measured = {"model": 235 * mib - 4096, "context": 554 * mib}
+    got = fp.counted(predicted, measured)
+    assert got.model == 235 * mib - 4096  # weights: the measurement, exact
+    assert got.context == 1063 * mib and got.total >= 1197 * mib
+    # What grew beyond the prediction counts as measured; extra phases (the warm-up) are the context's.
+    bigger = fp.counted(predicted, {"model": 235 * mib, "context": 1100 * mib, "warmup": 4 * mib, "mmproj": mib})
+    assert (bigger.context, bigger.mmproj) == (1104 * mib, mib)
+    # A part the load did not report keeps its predicted weights; no prediction: the measurement.
+    assert fp.counted(Footprint(model=10, context=1, draft_model=7), {"model": 9}).draft_model == 7
+    assert fp.counted(None, {"model": 9, "context": 2}) == Footprint(model=9, context=2)
+
+
+def test_a_stored_measurement_is_plausible_only_near_the_prediction_and_within_the_budget():
+    assert fp.plausible({"model": 300, "context": 100}, 369)
+    assert not fp.plausible({"model": 10**12}, 369 * 2**20)  # the reproduction: refused the model forever
+    assert not fp.plausible({"model": 100}, 369)  # under half: a fake worker, a broken ledger
+    assert fp.plausible({"model": 700}, 369) and not fp.plausible({"model": 739}, 369)
+    assert not fp.plausible({"model": 400}, 369, budget=399)  # cannot fit: the prediction stands instead
