@@ -179,6 +179,27 @@ class Settings(BaseSettings):
                              f"({', '.join(self.models) or 'there are none'})")
         return self
 
+    @model_validator(mode="after")
+    def _admin_key_off_loopback(self) -> "Settings":
+        # Off loopback, whoever reaches the port could put every model to sleep,
+        # wake or load them (POST /sleep, /wake, /models/load): refuse to
+        # start open rather than trust the network around the daemon. Only an
+        # address literal or "localhost" counts as loopback; a host name is not
+        # resolved here (it may resolve elsewhere tomorrow).
+        host = self.host.strip().strip("[]").rstrip(".").lower()
+        try:
+            address = ipaddress.ip_address(host)
+            mapped = getattr(address, "ipv4_mapped", None)  # ::ffff:127.0.0.1
+            loopback = address.is_loopback or (mapped is not None and mapped.is_loopback)
+        except ValueError:
+            loopback = host == "localhost"
+        if not loopback and (self.admin_key is None or not self.admin_key.get_secret_value()):
+            raise ValueError(
+                f"admin_key is required when host is {self.host!r}, not a loopback address: without it anyone "
+                f"who can reach port {self.port} can put the models to sleep, wake and load them. Set admin_key "
+                f"(DORMOUSE_ADMIN_KEY, or --admin-key), or bind 127.0.0.1")
+        return self
+
     @field_validator("allowed_hosts", mode="before")
     @classmethod
     def _host_list(cls, value: Any) -> Any:
