@@ -19,6 +19,7 @@ import pytest
 from config import Settings
 from daemon.model.footprint import predict
 from tests.conftest import ROOT
+from tests.fixtures.projector import write_projector
 
 pytestmark = pytest.mark.e2e
 
@@ -86,59 +87,13 @@ print(json.dumps({"mmproj": rt.ledger.total("mmproj"), "state": llama.llama_stat
 """
 
 
-def write_loadable_projector(path, *, width: int, ffn: int, image: int, patch: int, blocks: int, text_embd: int = 640):
-    """A llava-style ("mlp") projector mtmd loads (tests/fixtures/projector.py's, of any shape), zero weights."""
-    import gguf
-    import numpy as np
-
-    writer = gguf.GGUFWriter(str(path), "clip")
-    writer.add_bool("clip.has_vision_encoder", True)
-    writer.add_bool("clip.has_llava_projector", True)
-    writer.add_string("clip.projector_type", "mlp")
-    writer.add_bool("clip.use_gelu", True)
-    for key, value in (("image_size", image), ("patch_size", patch), ("embedding_length", width),
-                       ("feed_forward_length", ffn), ("projection_dim", text_embd), ("attention.head_count", 2),
-                       ("block_count", blocks)):
-        writer.add_uint32(f"clip.vision.{key}", value)
-    writer.add_float32("clip.vision.attention.layer_norm_epsilon", 1e-5)
-    writer.add_array("clip.vision.image_mean", [0.5, 0.5, 0.5])
-    writer.add_array("clip.vision.image_std", [0.5, 0.5, 0.5])
-
-    def tensor(name, shape, dtype=np.float32):
-        writer.add_tensor(name, np.zeros(shape, dtype=dtype))
-
-    tensor("v.patch_embd.weight", (width, 3, patch, patch), np.float16)
-    tensor("v.position_embd.weight", ((image // patch) ** 2, width))
-    norms = ["v.pre_ln"] + [f"v.blk.{b}.ln{i}" for b in range(blocks) for i in (1, 2)]
-    for norm in norms:
-        tensor(f"{norm}.weight", (width,))
-        tensor(f"{norm}.bias", (width,))
-    for b in range(blocks):
-        for proj in ("attn_q", "attn_k", "attn_v", "attn_out"):
-            tensor(f"v.blk.{b}.{proj}.weight", (width, width))
-            tensor(f"v.blk.{b}.{proj}.bias", (width,))
-        tensor(f"v.blk.{b}.ffn_up.weight", (ffn, width))
-        tensor(f"v.blk.{b}.ffn_up.bias", (ffn,))
-        tensor(f"v.blk.{b}.ffn_down.weight", (width, ffn))
-        tensor(f"v.blk.{b}.ffn_down.bias", (width,))
-    tensor("mm.0.weight", (ffn, width))
-    tensor("mm.0.bias", (ffn,))
-    tensor("mm.2.weight", (text_embd, ffn))
-    tensor("mm.2.bias", (text_embd,))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
-
-
 def test_the_projector_compute_buffer_and_a_saved_state_are_predicted_as_llama_cpp_holds_them(tmp_path,
                                                                                                bundled_model):
     from daemon.model.footprint import saved_state_bytes, shape_of
     from daemon.model.gguf_header import GGML_TYPE_IDS, read_header
 
     # A projector whose compute buffer (11 MB) is as large as its weights: leaving it out halved the part.
-    projector = write_loadable_projector(tmp_path / "p.gguf", width=512, ffn=64, image=256, patch=8, blocks=2)
+    projector = write_projector(tmp_path / "p.gguf", hidden=512, ffn=64, image=256, patch=8, blocks=2)
     done = subprocess.run([sys.executable, "-c", MEASURE, bundled_model, str(projector), "1500"], cwd=ROOT,
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]

@@ -25,18 +25,13 @@ from daemon.model.controller import Controller
 from daemon.model.jobs import JobFailure
 from statemachine import ServerState
 from tests.conftest import fake_fleet
+from tests.integration.test_fleet_rewake import until
 
 GiB = 2**30
 ONE_OF_TWO = 6 * GiB // 10  # two of these do not fit in 1 GiB
 WAKE_LIMIT = 30  # how long these tests' own clients wait for a first token (the daemon's bounds are lower)
 
 
-async def until(predicate, timeout=10):
-    for _ in range(int(timeout / 0.01)):
-        if predicate():
-            return
-        await asyncio.sleep(0.01)
-    raise AssertionError("condition not reached")
 
 
 async def run(controller: Controller, max_tokens: int = 3, started: asyncio.Event | None = None):
