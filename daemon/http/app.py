@@ -194,7 +194,7 @@ async def errors_and_access(request: web.Request, handler):
 
 
 def build_app(fleet: Fleet, settings: Settings, metrics: MetricFamilies, log) -> web.Application:
-    from daemon.http import admin_routes, llama_routes, openai_routes
+    from daemon.http import admin_routes, llama_routes, openai_routes, ui
 
     app = web.Application(middlewares=[errors_and_access], client_max_size=settings.max_body_bytes)
     app[FLEET] = fleet
@@ -204,4 +204,5 @@ def build_app(fleet: Fleet, settings: Settings, metrics: MetricFamilies, log) ->
     openai_routes.add_routes(app)
     llama_routes.add_routes(app)
     admin_routes.add_routes(app)
+    ui.add_routes(app)
     return app
