@@ -10,6 +10,12 @@ A constraint is enforced or refused, never silently ignored: every JSON Schema
 keyword that the grammar would not enforce raises GrammarRefused, naming the
 request field, the keyword and where it is, so the HTTP layer can answer 400.
 
+What a grammar may cost is bounded before it is built (limits.py, width.py:
+optional properties, alternatives, enum values, the parse stacks llama.cpp's
+matcher may hold at once), enums and tool names are written as prefix trees
+(literals.py), objects in linear time (objects.py), and the HTTP layer builds
+on a small thread pool with a time bound (off_loop.py), never on the event loop.
+
 Pure Python: the JSON Schema converter is llama-cpp-python's llama_grammar.py,
 loaded by its path so that the daemon never imports the llama_cpp package
 (whose __init__ loads the llama.cpp shared library).

@@ -20,7 +20,15 @@ Three steps:
    llama_cpp package and its shared library are never imported here) emits
    the GBNF. The subclass fixes what the stock one gets wrong: literals with a
    backslash, rule-name clashes between `$defs` and other rules, and string
-   patterns (its own translation breaks on `\\d`, `.` and quotes).
+   patterns (its own translation breaks on `\\d`, `.` and quotes); and it
+   writes objects in linear time and size (objects.py) and enums as prefix
+   trees (literals.py).
+
+What a request's grammar may cost is bounded before it is converted: counts
+while walking (limits.py: optional properties per object, properties,
+alternatives, enum values) and the parse stacks the matcher may hold
+(width.py). The whole build has a time bound, checked at every schema node,
+so a build that runs long stops itself; off_loop.py runs it on a thread.
 
 Whitespace: the converter's `space` rule is `" "?`, one optional space after
 each token, so no rule can loop on whitespace; we keep it.
@@ -28,16 +36,22 @@ each token, so no rule can loop on whitespace; we keep it.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
 import json
 import math
 import re
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 from daemon.grammar.gbnf_check import GbnfRefused, check_gbnf
+from daemon.grammar.limits import MAX_LIVE_STACKS, Deadline, LimitExceeded, Spending
+from daemon.grammar.literals import literal_tree
+from daemon.grammar.objects import object_rule
+from daemon.grammar.width import WidthEstimate
 
 MAX_SCHEMA_BYTES = 64 * 1024
 MAX_SCHEMA_DEPTH = 32
@@ -93,11 +107,15 @@ class GrammarRefused(ValueError):
 
 def grammar_for(*, response_format: dict | None = None, json_schema: dict | None = None, grammar: str | None = None,
                 tools: list[dict] | None = None, tool_choice: str | dict | None = None,
-                parallel_tool_calls: bool = True) -> str | None:
+                parallel_tool_calls: bool = False, deadline: Deadline | None = None) -> str | None:
     """The GBNF (root rule "root") the request's output must match, or None.
 
-    Raises GrammarRefused (param = the request field) for a malformed field, a
-    conflict between fields, or a schema keyword the grammar would not enforce."""
+    parallel_tool_calls: a forced call may be several (false, as llama-server's
+    default: exactly one). deadline: when the whole build must be over (None:
+    no bound). Raises GrammarRefused (param = the request field) for a
+    malformed field, a conflict between fields, a schema keyword the grammar
+    would not enforce, a schema over a limit, or a build past its deadline."""
+    spending = Spending(deadline)
     if not isinstance(parallel_tool_calls, bool):
         raise GrammarRefused("parallel_tool_calls must be true or false", "parallel_tool_calls")
     declared = _tool_schemas(tools)
@@ -116,11 +134,12 @@ def grammar_for(*, response_format: dict | None = None, json_schema: dict | None
         if other:
             raise GrammarRefused(f"{other} and tool_choice {_choice_text(tool_choice)} both constrain the output; "
                                  "give one of them", "tool_choice")
-        return _tool_call_grammar(forced, single=not parallel_tool_calls or isinstance(tool_choice, dict))
+        return _tool_call_grammar(forced, single=not parallel_tool_calls or isinstance(tool_choice, dict),
+                                  spending=spending)
     if grammar is not None:
         return _raw_grammar(grammar)
     if format_param is not None:
-        return _schema_grammar(format_schema, format_param)
+        return _schema_grammar(format_schema, format_param, spending)
     return None
 
 
@@ -181,10 +200,41 @@ def _raw_grammar(grammar: Any) -> str:
     return _checked_output(grammar, "grammar")
 
 
-def _schema_grammar(schema: dict, param: str) -> str:
-    table = _RefTable()
-    root = _SchemaWalk(schema, param, table).run()
-    return _convert(root, table, param)
+def _schema_grammar(schema: dict, param: str, spending: Spending) -> str:
+    table = _RefTable(spending)
+    with _refusals(param):
+        root = _SchemaWalk(schema, param, table).run()
+        _check_width(_width(table).width(root), param)
+        return _convert(root, table, param)
+
+
+@contextlib.contextmanager
+def _refusals(param: str):
+    """Whatever stops a build (a limit, its time bound, a recursion too deep
+    for Python) is a refusal that names the field, never a 500."""
+    try:
+        yield
+    except LimitExceeded as exc:
+        raise GrammarRefused(f"{param}: {exc}", param) from None
+    except RecursionError:
+        raise GrammarRefused(f"{param} is nested too deeply to build a grammar for", param) from None
+
+
+def _width(table: _RefTable) -> WidthEstimate:
+    return WidthEstimate(table.schemas, _integer_width, MAX_LIVE_STACKS, table.spending.check_time)
+
+
+def _integer_width(low: int | None, high: int | None) -> int:
+    return _integer_range_gbnf(low, high).count("|") + 1
+
+
+def _check_width(width: int, param: str) -> None:
+    if width > MAX_LIVE_STACKS:
+        raise GrammarRefused(
+            f"{param}: the grammar would let the output go on in more than {MAX_LIVE_STACKS} ways at one point; "
+            f"llama.cpp's grammar matcher checks the whole vocabulary against each of them at a step, on the thread "
+            "every slot shares. Fewer optional properties in one object, or anyOf alternatives that do not begin "
+            "alike (nested or recursive ones add up), keep it under the limit", param)
 
 
 # -- tools ------------------------------------------------------------------------------
@@ -240,21 +290,34 @@ def _forced_tools(tool_choice: Any, declared: dict[str, tuple[Any, str]]) -> dic
                          "tool_choice")
 
 
-def _tool_call_grammar(forced: dict[str, tuple[Any, str]], single: bool) -> str:
+def _tool_call_grammar(forced: dict[str, tuple[Any, str]], single: bool, spending: Spending) -> str:
     """Exactly `[{"name": <declared name>, "arguments": <that tool's parameters>}, ...]`:
     one call, or 1..MAX_PARALLEL_TOOL_CALLS. Each name is tied to its own arguments
-    schema: the item is an alternation of one object rule per tool."""
-    table = _RefTable()
-    calls = []
+    schema: the names are a prefix tree whose every leaf goes on with that tool's
+    arguments, so a hundred tools are a few parse stacks, not a hundred."""
+    table = _RefTable(spending)
+    arguments = {}
     for name, (parameters, param) in forced.items():
-        arguments = _SchemaWalk(_arguments_schema(parameters, param), param, table).run()
-        call = {"type": "object", "properties": {"name": {"const": name}, "arguments": arguments},
-                "required": ["name", "arguments"]}
-        calls.append({"$ref": table.add_schema(f"call-{name}", call)})
-    item = calls[0] if len(calls) == 1 else {"anyOf": calls}
-    most = 1 if single else MAX_PARALLEL_TOOL_CALLS
-    array = {"type": "array", "items": item, "minItems": 1, "maxItems": most}
-    return _convert(array, table, "tools" if len(forced) > 1 else next(iter(forced.values()))[1])
+        with _refusals(param):
+            arguments[name] = _SchemaWalk(_arguments_schema(parameters, param), param, table).run()
+    width = _width(table)
+    for name, (_, param) in forced.items():
+        with _refusals(param):
+            _check_width(width.width(arguments[name]) + 1, param)  # + 1: the next call, or the array's end
+    param = "tools" if len(forced) > 1 else next(iter(forced.values()))[1]
+    with _refusals(param):
+        converter = _converter_class()(table.schemas, spending)
+        follow = []
+        for name, schema in arguments.items():
+            rule = converter.visit(schema, f"call-{name}-arguments")
+            follow.append((json.dumps(name, ensure_ascii=False), f'"," space "\\"arguments\\"" space ":" space {rule}'))
+        names = literal_tree(follow, converter._add_rule, "call-name", converter._format_literal)
+        _check_width(names.width + 1, param)
+        call = converter._add_rule("call", f'"{{" space "\\"name\\"" space ":" space {names.expression} "}}" space')
+        most = 1 if single else MAX_PARALLEL_TOOL_CALLS
+        repeated = _converter_module()._build_repetition(call, 1, most, separator_rule='"," space')
+        converter._add_rule("root", f'"[" space {repeated} "]" space')
+        return _checked_output(converter.format_grammar(), param)
 
 
 def _arguments_schema(parameters: dict | None, param: str) -> dict:
@@ -271,10 +334,12 @@ def _arguments_schema(parameters: dict | None, param: str) -> dict:
 
 
 class _RefTable:
-    """Normalized schemas reached through $ref, under names unique in one grammar."""
+    """Normalized schemas reached through $ref, under names unique in one grammar,
+    and what the request's schemas have spent of the limits."""
 
-    def __init__(self) -> None:
+    def __init__(self, spending: Spending) -> None:
         self.schemas: dict[str, dict] = {}
+        self.spending = spending
         self.repeats = 0  # MAX_REPEAT_TOTAL is counted across every schema of a request
 
     def reserve(self, hint: str) -> str:
@@ -285,11 +350,6 @@ class _RefTable:
         while name in self.schemas:
             name, n = f"{base}-{n}", n + 1
         self.schemas[name] = {}  # filled when walked; reserved now so recursion finds it
-        return name
-
-    def add_schema(self, hint: str, schema: dict) -> str:
-        name = self.reserve(hint)
-        self.schemas[name] = schema
         return name
 
 
@@ -324,9 +384,16 @@ class _SchemaWalk:
     def refuse(self, path: str, problem: str) -> GrammarRefused:
         return GrammarRefused(f"{self.param} at {path or '/'}: {problem}", self.param)
 
+    def spend(self, path: str, charge: Callable[[], None]) -> None:
+        try:
+            charge()
+        except LimitExceeded as exc:
+            raise self.refuse(path, str(exc)) from None
+
     # -- one schema --
 
     def node(self, schema: Any, path: str, heads: set[str], is_root: bool = False) -> dict:
+        self.spend(path, self.table.spending.check_time)
         if schema is True or schema == {}:
             return {"type": list(ANY_VALUE_TYPES)}
         if not isinstance(schema, dict):
@@ -340,6 +407,7 @@ class _SchemaWalk:
         types = self._types(schema, path)
         if len(types) == 1:
             return self._typed(types[0], schema, path)
+        self.spend(path, lambda: self.table.spending.choice(len(types)))
         return {"anyOf": [self._typed(t, schema, path) for t in types]}
 
     def _check_keywords(self, schema: dict, path: str, is_root: bool) -> None:
@@ -377,6 +445,7 @@ class _SchemaWalk:
             return self.node(value[0], f"{here}/0", heads)
         if combinator == "oneOf" and len(value) > 1:
             self._require_exclusive(value, here)
+        self.spend(here, lambda: self.table.spending.choice(len(value)))
         return {"anyOf": [self.node(alt, f"{here}/{i}", heads) for i, alt in enumerate(value)]}
 
     def _values(self, schema: dict, path: str) -> dict:
@@ -395,6 +464,7 @@ class _SchemaWalk:
         for value in values:
             if allowed is not None and not any(_is_json_type(value, t) for t in allowed):
                 raise self.refuse(path, f"value {json.dumps(value)[:60]} is not of type {' or '.join(allowed)}")
+        self.spend(path, lambda: self.table.spending.literals([json.dumps(v, ensure_ascii=False) for v in values]))
         if len(values) == 1:
             return {"const": values[0]}
         return {"enum": values}
@@ -518,6 +588,7 @@ class _SchemaWalk:
             raise self.refuse(f"{path}/required", f"required {missing} not among properties: the grammar only "
                                                   "writes declared properties")
         self._check_property_counts(schema, path, len(set(required)), len(properties))
+        self.spend(path, lambda: self.table.spending.object(len(properties), len(properties) - len(set(required))))
         # Only the declared properties are written (additional ones, which the
         # schema may allow, are left out: stricter, still valid).
         walked = {}
@@ -1112,10 +1183,11 @@ def _converter_class() -> type:
     class Converter(base):
         """The stock converter with our fixes; schemas arrive normalized by _SchemaWalk."""
 
-        def __init__(self, refs: dict[str, dict]) -> None:
+        def __init__(self, refs: dict[str, dict], spending: Spending) -> None:
             super().__init__(prop_order={}, allow_fetch=False, dotall=False, raw_pattern=False)
             self._refs = refs  # table name -> normalized schema; resolve_refs (which fetches) is never called
             self._ref_rules: dict[str, str] = {}
+            self._spending = spending
 
         def _format_literal(self, literal: str) -> str:
             # The stock one escapes quotes but not backslashes, so a JSON escape
@@ -1142,12 +1214,34 @@ def _converter_class() -> type:
             return rule
 
         def visit(self, schema: dict, name: str) -> str:
+            self._spending.check_time()  # raises LimitExceeded once the build's time is up
+            rule_name = name + "-" if name in _converter_module().RESERVED_NAMES else name or "root"
             # An integer range from _SchemaWalk: inclusive int bounds, one of them possibly open.
             if schema.get("type") == "integer" and ("minimum" in schema or "maximum" in schema):
-                rule_name = name + "-" if name in _converter_module().RESERVED_NAMES else name or "root"
                 gbnf = _integer_range_gbnf(schema.get("minimum"), schema.get("maximum"))
                 return self._add_rule(rule_name, f"{gbnf} space")
+            if "const" in schema or "enum" in schema:
+                # A prefix tree: the matcher holds one stack per way the values go on, not one per value.
+                values = [schema["const"]] if "const" in schema else schema["enum"]
+                spellings = dict.fromkeys(json.dumps(v, ensure_ascii=False) for v in values)
+                tree = literal_tree([(s, "") for s in spellings], self._add_rule, rule_name, self._format_literal)
+                return self._add_rule(rule_name, tree.expression)
             return super().visit(schema, name)
+
+        def _build_object_rule(self, properties: list[tuple[str, Any]], required: set[str], name: str,
+                               additional_properties: Any) -> str:
+            # The stock one is quadratic in optional properties, recurses once per
+            # property, and leaves the matcher a stack per property that may come next.
+            if properties and additional_properties not in (None, False):
+                raise AssertionError("_SchemaWalk writes declared properties only")
+            if not properties and (additional_properties is True or isinstance(additional_properties, dict)):
+                return super()._build_object_rule(properties, required, name, additional_properties)  # a map
+            prefix = f"{name}-" if name else ""
+            values = {key: self.visit(value, f"{prefix}{key}") for key, value in properties}
+            kvs = [self._add_rule(f"{prefix}{key}-kv", f"{self._format_literal(json.dumps(key))} space \":\" space "
+                                                       f"{values[key]}") for key, _ in properties if key in required]
+            optional = [(json.dumps(key), values[key]) for key, _ in properties if key not in required]
+            return object_rule(kvs, optional, name, self._add_rule, self._format_literal)
 
         def _visit_pattern(self, pattern: str, name: str) -> str:
             # _SchemaWalk has already translated the pattern into GBNF.
@@ -1157,7 +1251,7 @@ def _converter_class() -> type:
 
 
 def _convert(root: dict, table: _RefTable, param: str) -> str:
-    converter = _converter_class()(table.schemas)
+    converter = _converter_class()(table.schemas, table.spending)
     converter.visit(root, "")
     return _checked_output(converter.format_grammar(), param)
 

@@ -112,7 +112,7 @@ _STOP_TYPES = {"stop": "eos", "length": "limit"}
 async def completion(request: web.Request) -> web.StreamResponse:
     """llama-server's /completion: `content` and `stop` instead of choices, and timings."""
     body = await parse_body(request, NativeCompletionRequest)
-    grammar = structured_grammar(request, body)
+    grammar = await structured_grammar(request, body)
     model = generation_model(request, body)
     settings = model.controller.settings
     if body.n > 1:

@@ -28,6 +28,7 @@ from daemon.model.jobs import Job, JobFailure
 from daemon.http.schemas import (BodyError, ChatCompletionRequest, CompletionRequest, ImageRefused, SamplingFields,
                                   decode_body, field_name)
 from daemon.http.shapes import ChatShape, CompletionShape, _Shape
+from daemon.tools.forced_stream import ForcedCallStream
 from daemon.tools.parse import ToolCallStream, forced_calls, new_call_id, parse_tool_calls, stream_deltas
 
 
@@ -197,23 +198,29 @@ _encode = msgspec.json.encode
 
 class StreamedChoice:
     """One choice while it streams: text held back while it may be a tool
-    call, and the logprobs of that text."""
+    call (auto), or a forced call's deltas as its arguments are generated,
+    and the logprobs of that text."""
 
     def __init__(self, index: int, tools: ToolMode | None) -> None:
         self.index = index
         self.tools = tools
-        self.calls = ToolCallStream(tools.names) if tools is not None else None
-        self.text: list[str] = []  # all of it, for a forced call cut short
+        forced = tools is not None and tools.forced
+        self.calls = ToolCallStream(tools.names) if tools is not None and not forced else None
+        self.forced = ForcedCallStream(tools.names, new_call_id, most=None if tools.parallel else 1) if forced else None
+        self.text: list[str] = []  # all of it, read whole at the end
         self.pending: list[p.TokenLogprob] = []
         self.finished = False
         self.reason: str | None = None  # from its last Tokens (n > 1)
 
-    def feed(self, tokens: p.Tokens) -> str:
+    def feed(self, tokens: p.Tokens) -> tuple[str, list[list[dict]]]:
+        """(content safe to stream now, `delta.tool_calls` lists to stream now)."""
         self.pending.extend(tokens.logprobs)
-        if self.calls is None:
-            return tokens.text
+        if self.tools is None:
+            return tokens.text, []
         self.text.append(tokens.text)
-        return self.calls.feed(tokens.text)
+        if self.forced is not None:
+            return "", self.forced.feed(tokens.text)
+        return self.calls.feed(tokens.text), []
 
     def take_logprobs(self) -> list[p.TokenLogprob]:
         taken, self.pending = self.pending, []
@@ -230,15 +237,18 @@ async def _stream(request: web.Request, job: Job, shape: _Shape, item, include_u
     async def finish(choice: StreamedChoice, reason: str, done: p.Done | None) -> None:
         """The choice's held-back text, its tool calls as OpenAI streams them, its finish_reason."""
         choice.finished = True
-        if choice.calls is not None:
-            rest, _ = choice.calls.finish()  # what it held back; the calls are read from the whole text
+        if choice.tools is not None:
             rest_content, found, reason = choice.tools.calls("".join(choice.text), reason)
-            rest = "" if rest_content is None else rest  # a forced answer is never content
+            if choice.forced is not None:  # never content; its calls went out as they were generated
+                rest, first = "", choice.forced.announced
+                found = found[first:]  # any the scan could not stream (not the grammar's shape), whole
+            else:
+                rest, _ = choice.calls.finish()  # what it held back; the calls are read from the whole text
+                rest, first = ("" if rest_content is None else rest), 0
             if rest or choice.pending:
                 await send(shape.chunk(rest, choice.take_logprobs(), index=choice.index))
-            if found:
-                for deltas in stream_deltas(found, [new_call_id() for _ in found]):
-                    await send(shape.chunk(None, tool_calls=deltas, index=choice.index))
+            for deltas in stream_deltas(found, [new_call_id() for _ in found], first_index=first):
+                await send(shape.chunk(None, tool_calls=deltas, index=choice.index))
         await send(shape.last_chunk(reason, done, index=choice.index))
 
     choices = [StreamedChoice(i, tools) for i in range(job.submit.n)]
@@ -248,9 +258,11 @@ async def _stream(request: web.Request, job: Job, shape: _Shape, item, include_u
             await send(first)
     while isinstance(item, p.Tokens):
         choice = choices[item.index]
-        text = choice.feed(item)
-        if text or (choice.pending and choice.calls is None):
+        text, call_deltas = choice.feed(item)
+        if text or (choice.pending and choice.tools is None):
             await send(shape.chunk(text, choice.take_logprobs(), index=choice.index))
+        for deltas in call_deltas:  # a forced call's arguments, as they are generated
+            await send(shape.chunk(None, tool_calls=deltas, index=choice.index))
         if item.finish_reason is not None:  # with n > 1, each choice ends on its own ...
             choice.reason = item.finish_reason
             if sum(not c.finished for c in choices) > 1:
@@ -269,11 +281,15 @@ async def _stream(request: web.Request, job: Job, shape: _Shape, item, include_u
     return response
 
 
-def structured_grammar(request: web.Request, body: SamplingFields, chat: ChatCompletionRequest | None = None) -> str | None:
+async def structured_grammar(request: web.Request, body: SamplingFields,
+                             chat: ChatCompletionRequest | None = None) -> str | None:
     """The GBNF that enforces the body's response_format, json_schema, grammar
     or forced tool call; None when nothing is constrained. A constraint that
-    cannot be enforced is a 400 naming it, never ignored."""
-    from daemon.grammar.build import GrammarRefused, grammar_for
+    cannot be enforced is a 400 naming it, never ignored. Built on a thread
+    with a time bound (daemon/grammar/off_loop.py): the event loop keeps
+    serving every other request meanwhile."""
+    from daemon.grammar import GrammarRefused
+    from daemon.grammar.off_loop import GrammarBusy, build_grammar
 
     if body.grammar is not None and not request.app[SETTINGS].raw_grammar:
         raise ApiError(400, "grammar: raw GBNF grammars are off on this server (raw_grammar = true turns them on for "
@@ -283,12 +299,18 @@ def structured_grammar(request: web.Request, body: SamplingFields, chat: ChatCom
     tools = [t.model_dump(exclude_none=True) for t in chat.tools] if chat is not None and chat.tools else None
     if chat is not None and chat.tool_choice not in (None, "none") and not tools:
         raise ApiError(400, "tool_choice needs tools: no tools were given", "invalid_value", param="tool_choice")
+    if body.response_format is None and body.json_schema is None and body.grammar is None and not tools:
+        return None  # nothing to build: no thread for a plain request
     try:
-        return grammar_for(response_format=body.response_format, json_schema=body.json_schema, grammar=body.grammar,
-                           tools=tools, tool_choice=chat.tool_choice if chat is not None else None,
-                           parallel_tool_calls=chat.parallel_tool_calls if chat is not None else True)
+        return await build_grammar(response_format=body.response_format, json_schema=body.json_schema,
+                                   grammar=body.grammar, tools=tools,
+                                   tool_choice=chat.tool_choice if chat is not None else None,
+                                   parallel_tool_calls=chat.parallel_tool_calls if chat is not None else False)
     except GrammarRefused as exc:
         raise ApiError(400, str(exc), "invalid_value", param=exc.param) from None
+    except GrammarBusy as exc:
+        raise ApiError(503, f"the server is building too many grammars ({exc}); retry shortly", "server_busy",
+                       retry_after=1) from None
 
 
 def tool_mode(body: ChatCompletionRequest) -> ToolMode | None:
@@ -314,7 +336,7 @@ def generation_model(request: web.Request, body: SamplingFields) -> FleetModel:
 
 async def completions(request: web.Request) -> web.StreamResponse:
     body = await parse_body(request, CompletionRequest)
-    grammar = structured_grammar(request, body)
+    grammar = await structured_grammar(request, body)
     model = generation_model(request, body)
     params = body.sampling(body.max_tokens, grammar, body.logprobs)
     job = model.controller.new_job("completions", params, prompt=body.prompt_value(), n=body.n)
@@ -332,7 +354,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     if body.forces_tool_call and body.stop:
         raise ApiError(400, "stop: a forced tool call (tool_choice required or named) is the whole answer; a stop "
                             "string would cut its JSON", "invalid_value", param="stop")
-    grammar = structured_grammar(request, body, chat=body)
+    grammar = await structured_grammar(request, body, chat=body)
     model = generation_model(request, body)
     params = body.sampling(body.token_limit, grammar, body.wanted_logprobs)
     tools = [t.to_protocol() for t in body.tools or ()] if body.tool_choice != "none" else []

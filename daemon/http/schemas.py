@@ -1,6 +1,9 @@
 """OpenAI request bodies, validated with pydantic, and their mapping onto the
 worker protocol. Unknown fields are accepted and ignored (clients send
-extras); OpenAI fields Dormouse cannot honour are refused by name.
+extras); OpenAI fields Dormouse cannot honour are refused by name. `null` on a field
+that may be left out means "left out" (OpenAI's semantics, which clients rely
+on: the openai SDK and LangChain send explicit nulls): every model here is a
+RequestModel.
 
 Bounds: every integer that reaches llama.cpp fits its int32 (ctypes wraps
 silently), and every container a client sizes is counted before pydantic
@@ -12,11 +15,12 @@ from __future__ import annotations
 
 import base64
 import binascii
+import re
 from functools import cache
 from typing import Annotated, Any, Callable, Literal
 
 import msgspec
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from daemon import protocol as p
 from daemon.http.images import ImageHeaderError, read_header
@@ -102,11 +106,25 @@ def _token_list_bound(raw: bytes, limit: int, name: str = "prompt") -> None:
             raise BodyError(f"{name}: at most {limit} {name} token ids (ctx_size), got {items}", name)
 
 
-class StreamOptions(BaseModel):
+class RequestModel(BaseModel):
+    """A request object whose optional fields take null as "not given"."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_unset(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        fields = cls.model_fields
+        # Only optional fields: a null required one is still refused by its type.
+        return {key: value for key, value in data.items()
+                if value is not None or key not in fields or fields[key].is_required()}
+
+
+class StreamOptions(RequestModel):
     include_usage: bool = False
 
 
-class SamplingFields(BaseModel):
+class SamplingFields(RequestModel):
     model_config = ConfigDict(extra="allow")
 
     model: str | None = None
@@ -204,12 +222,12 @@ class CompletionRequest(SamplingFields):
         return self.prompt
 
 
-class TextPart(BaseModel):
+class TextPart(RequestModel):
     type: Literal["text"]
     text: str
 
 
-class ImageURL(BaseModel):
+class ImageURL(RequestModel):
     url: str
     detail: str | None = None
 
@@ -222,7 +240,7 @@ class ImageRefused(ValueError):
         self.code = code
 
 
-class ImagePart(BaseModel):
+class ImagePart(RequestModel):
     type: Literal["image_url"]
     image_url: ImageURL
 
@@ -258,12 +276,12 @@ def image_checker(max_pixels: int) -> Callable[[ImagePart], bytes]:
     return check
 
 
-class FunctionCallIn(BaseModel):
+class FunctionCallIn(RequestModel):
     name: Annotated[str, Field(min_length=1, max_length=256)]
     arguments: Annotated[str, Field(max_length=1_000_000)] = "{}"
 
 
-class ToolCallIn(BaseModel):
+class ToolCallIn(RequestModel):
     """An assistant's earlier call, sent back in the conversation."""
 
     id: Annotated[str, Field(max_length=256)] = ""
@@ -271,14 +289,14 @@ class ToolCallIn(BaseModel):
     function: FunctionCallIn
 
 
-class FunctionIn(BaseModel):
+class FunctionIn(RequestModel):
     name: Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.\-]+$")]
     description: Annotated[str, Field(max_length=65536)] = ""
     parameters: dict[str, Any] = Field(default_factory=lambda: {"type": "object", "properties": {}})
     strict: bool | None = None
 
 
-class ToolIn(BaseModel):
+class ToolIn(RequestModel):
     type: Literal["function"]
     function: FunctionIn
 
@@ -287,7 +305,7 @@ class ToolIn(BaseModel):
         return p.Tool(f.name, f.description, f.parameters)
 
 
-class ChatMessageIn(BaseModel):
+class ChatMessageIn(RequestModel):
     model_config = ConfigDict(extra="allow")
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
@@ -327,7 +345,7 @@ class ChatMessageIn(BaseModel):
         return p.ChatMessage(role, parts, **extra)
 
 
-class Conversation(BaseModel):
+class Conversation(RequestModel):
     """Messages and the tools offered with them, counted before their items are
     validated: chat completions and /apply-template take the same."""
 
@@ -349,7 +367,8 @@ class ChatCompletionRequest(SamplingFields, Conversation):
     max_tokens: int | None = Field(None, ge=1, le=1_000_000)
     max_completion_tokens: int | None = Field(None, ge=1, le=1_000_000)
     tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
-    parallel_tool_calls: bool = True
+    parallel_tool_calls: bool = Field(False, description="several calls in one answer; false unless asked, as "
+                                                         "llama-server: a forced call is then made once")
     functions: Any = Field(None, description="refused: OpenAI's deprecated form of tools")
     function_call: Any = Field(None, description="refused: OpenAI's deprecated form of tool_choice")
     logprobs: bool = False
@@ -402,10 +421,17 @@ class ChatCompletionRequest(SamplingFields, Conversation):
         return [m.to_protocol(check) for m in self.messages]
 
 
+# What pydantic puts in an error's location besides field names and indexes:
+# the member of a union that failed ('str', 'list[constrained-int]',
+# "literal['none','auto']", 'function-after[...]', a model's class name).
+_UNION_MEMBER = re.compile(r"[a-z][a-z-]*\[.*\]|constrained-[a-z-]+|str|int|float|bool|bytes|none|dict|list"
+                           r"|[A-Z][A-Za-z0-9]*", re.DOTALL)
+
+
 def field_name(loc: tuple[Any, ...]) -> str:
-    """'messages.0.content' from pydantic's error location."""
-    return ".".join(str(part) for part in loc
-                    if not str(part).startswith(("function-", "list[", "str", "int", "constrained-", "dict[")))
+    """'messages.0.content' from pydantic's error location: every part but the
+    labels of union members (matched whole: 'stream' and 'strict' are fields)."""
+    return ".".join(str(part) for part in loc if not (isinstance(part, str) and _UNION_MEMBER.fullmatch(part)))
 
 
 # -- llama-server's extras and embeddings --------------------------------------
@@ -417,14 +443,14 @@ def _prompt_limit(value: Any, info: ValidationInfo, what: str) -> Any:
     return _at_most(value, (info.context or {}).get("max_prompt_tokens", MAX_PROMPT_TOKENS), what)
 
 
-class TokenizeRequest(BaseModel):
+class TokenizeRequest(RequestModel):
     model: str | None = None
     content: str
     add_special: bool = False
     with_pieces: bool = False
 
 
-class DetokenizeRequest(BaseModel):
+class DetokenizeRequest(RequestModel):
     model: str | None = None
     tokens: list[TokenId]
 
@@ -459,7 +485,7 @@ EmbeddingInput = (Annotated[str, Field(min_length=1)]
                               Field(min_length=1, max_length=MAX_EMBEDDING_INPUTS)])
 
 
-class EmbeddingsRequest(BaseModel):
+class EmbeddingsRequest(RequestModel):
     model_config = ConfigDict(extra="allow")
 
     model: str | None = None

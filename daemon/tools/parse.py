@@ -19,6 +19,12 @@ item is content as a whole (it is one answer, not a list of independent blocks).
 Arguments must be a JSON object, or a string that holds one (kept as given);
 an absent or null one is "{}".
 
+A call cut short (by max_tokens, or a model that stops inside it) is markup,
+never content: a Hermes block with no end whose body is nothing or the start
+of a JSON object, and a [TOOL_CALLS] or <|python_tag|> region whose JSON
+stops before it closes, are left out of the content (the answer's
+finish_reason says it was cut).
+
 Parsing is linear: str.find and json.JSONDecoder.raw_decode, no backtracking
 regular expressions; JSON nested past Python's recursion limit is content,
 never a RecursionError.
@@ -62,27 +68,31 @@ def new_call_id() -> str:
 
 
 def parse_tool_calls(text: str, tool_names: Collection[str]) -> tuple[str | None, list[ParsedCall]]:
-    """(content, calls) of a whole answer. With calls, content is the text
-    outside them, stripped, None if empty; without, it is `text` unchanged."""
+    """(content, calls) of a whole answer. With calls, or a call cut short,
+    content is the text outside them, stripped, None if empty; otherwise it
+    is `text` unchanged."""
     start = _call_region_start(text)
     if start < 0:
         return text, []
-    region_content, calls = _parse_region(text[start:], frozenset(tool_names))
-    if not calls:
+    region = text[start:]
+    region_content, calls = _parse_region(region, frozenset(tool_names))
+    if not calls and region_content == region:
         return text, []
     return (text[:start] + region_content).strip() or None, calls
 
 
-def stream_deltas(calls: list[ParsedCall], ids: list[str], fragment: int = 32) -> list[list[dict[str, Any]]]:
+def stream_deltas(calls: list[ParsedCall], ids: list[str], fragment: int = 32,
+                  first_index: int = 0) -> list[list[dict[str, Any]]]:
     """OpenAI's streamed `delta["tool_calls"]` values, in order: per call, one
     that names it (with empty arguments), then its arguments in pieces of at
-    most `fragment` characters, which concatenate to the arguments exactly."""
+    most `fragment` characters, which concatenate to the arguments exactly.
+    The calls are numbered from first_index (after calls already streamed)."""
     if len(ids) != len(calls):
         raise ValueError(f"{len(calls)} calls but {len(ids)} ids")
     if fragment < 1:
         raise ValueError("fragment must be at least 1")
     deltas: list[list[dict[str, Any]]] = []
-    for index, (call, call_id) in enumerate(zip(calls, ids)):
+    for index, (call, call_id) in enumerate(zip(calls, ids), start=first_index):
         deltas.append([{"index": index, "id": call_id, "type": "function", "function": {"name": call.name, "arguments": ""}}])
         for start in range(0, len(call.arguments), fragment):
             deltas.append([{"index": index, "function": {"arguments": call.arguments[start : start + fragment]}}])
@@ -141,7 +151,7 @@ class ToolCallStream:
             return rest, []
         region = "".join(self._region)
         content, calls = _parse_region(region, self._names)
-        if not calls:
+        if not calls and content == region:
             return "".join(self._gap) + region, []
         if not content.strip():
             return "", calls
@@ -182,27 +192,73 @@ def _first_marker(text: str) -> int:
 
 def _marker_prefix_length(text: str) -> int:
     """The length of the longest end of `text` that is the start of a marker."""
-    for length in range(min(len(text), max(map(len, MARKERS)) - 1), 0, -1):
+    return _prefix_length(text, MARKERS)
+
+
+def _prefix_length(text: str, markers: tuple[str, ...]) -> int:
+    """The length of the longest end of `text` that is a proper start of one of `markers`."""
+    for length in range(min(len(text), max(map(len, markers)) - 1), 0, -1):
         tail = text[-length:]
-        if any(marker.startswith(tail) for marker in MARKERS):
+        if any(marker.startswith(tail) for marker in markers):
             return length
     return 0
+
+
+def _is_cut_json(text: str) -> bool:
+    """Nothing but whitespace, or the start of a JSON object or array that
+    stops before it closes: what a call cut short leaves. One pass, no
+    recursion; brackets are matched, so prose with a stray brace is not it."""
+    body = text.strip()
+    if not body:
+        return True
+    if body[0] not in "{[":
+        return False
+    closers = {"{": "}", "[": "]"}
+    expected: list[str] = []
+    in_string = escaped = False
+    for c in body:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif c == "\\":
+                escaped = True
+            elif c == '"':
+                in_string = False
+        elif c == '"':
+            in_string = True
+        elif c in closers:
+            expected.append(closers[c])
+        elif c in "}]":
+            if not expected or expected.pop() != c:
+                return False
+            if not expected:
+                return False  # it closed: whole JSON (with or without text after), not cut
+    return True
 
 
 # -- the formats ---------------------------------------------------------------
 
 
 def _parse_region(region: str, names: frozenset[str]) -> tuple[str, list[ParsedCall]]:
-    """(content outside the calls, unstripped; calls) of text that starts
-    where the calls could begin. No calls: the content is meaningless."""
+    """(content outside the calls and the calls cut short, unstripped; calls)
+    of text that starts where the calls could begin. The content is `region`
+    itself when it holds neither a call nor a cut one."""
     try:
         if region.startswith(HERMES_OPEN):
             return _parse_hermes(region, names)
         if region.startswith(MISTRAL_CALLS):
-            return _parse_mistral(region[len(MISTRAL_CALLS) :], names)
-        return "", _parse_json_calls(region.removeprefix(PYTHON_TAG), names)
+            content, calls = _parse_mistral(region[len(MISTRAL_CALLS) :], names)
+        else:
+            content, calls = "", _parse_json_calls(region.removeprefix(PYTHON_TAG), names)
     except RecursionError:  # from json.dumps of arguments nested past the limit
+        return region, []
+    if calls:
+        return content, calls
+    if region.startswith(PYTHON_TAG) and _is_cut_json(region[len(PYTHON_TAG) :]):
+        return "", []  # a special token opened a call whose JSON never closed
+    if region.startswith(MISTRAL_CALLS) and _is_cut_mistral(region[len(MISTRAL_CALLS) :]):
         return "", []
+    return region, []
 
 
 def _parse_hermes(region: str, names: frozenset[str]) -> tuple[str, list[ParsedCall]]:
@@ -219,14 +275,18 @@ def _parse_hermes(region: str, names: frozenset[str]) -> tuple[str, list[ParsedC
         next_open = region.find(HERMES_OPEN, body_start)
         if 0 <= close_at < body_start:  # a stray close before this block
             close_at = region.find(HERMES_CLOSE, body_start)
-        if close_at >= 0 and (next_open < 0 or close_at < next_open):
+        terminated = close_at >= 0 and (next_open < 0 or close_at < next_open)
+        if terminated:
             body_end, block_end = close_at, close_at + len(HERMES_CLOSE)
         else:  # unterminated: the block runs to the next one or the end
             body_end = block_end = next_open if next_open >= 0 else len(region)
-        call = _call_from_json_text(region[body_start:body_end], names)
+        body = region[body_start:body_end]
+        if not terminated and next_open < 0:  # cut at the end, perhaps inside "</tool_call>"
+            body = body[: len(body) - _prefix_length(body, (HERMES_CLOSE,))]
+        call = _call_from_json_text(body, names)
         if call is not None:
             calls.append(call)
-        else:
+        elif terminated or not _is_cut_json(body):
             content.append(region[open_at:block_end])
         pos, open_at = block_end, next_open
     content.append(region[pos:])
@@ -255,6 +315,17 @@ def _parse_mistral(rest: str, names: frozenset[str]) -> tuple[str, list[ParsedCa
         if rest.startswith(MISTRAL_CALLS, pos):
             pos += len(MISTRAL_CALLS)
     return rest[pos:], calls
+
+
+def _is_cut_mistral(rest: str) -> bool:
+    """What follows [TOOL_CALLS] stops inside a call: an array that never
+    closes, a name still being written, or the JSON after its last [ARGS]."""
+    if rest.lstrip().startswith("["):
+        return _is_cut_json(rest)
+    args_at = rest.rfind(MISTRAL_ARGS)
+    if args_at < 0:
+        return len(rest.split()) <= 1
+    return _is_cut_json(rest[args_at + len(MISTRAL_ARGS) :])
 
 
 def _parse_json_calls(text: str, names: frozenset[str]) -> list[ParsedCall]:

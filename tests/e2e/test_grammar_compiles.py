@@ -134,7 +134,7 @@ REPRESENTATIVE = {
     "property named like a def": dict(json_schema={
         "type": "object", "properties": {"Item": {"type": "object"}, "thing": {"$ref": "#/$defs/Item"}},
         "$defs": {"Item": {"type": "string"}}}),
-    "tools required": dict(tools=[WEATHER, TIME], tool_choice="required"),
+    "tools required": dict(tools=[WEATHER, TIME], tool_choice="required", parallel_tool_calls=True),
     "tools required, one call": dict(tools=[WEATHER, TIME], tool_choice="required", parallel_tool_calls=False),
     "tools named": dict(tools=[WEATHER, TIME], tool_choice={"type": "function", "function": {"name": "get_time"}}),
     "raw grammar": dict(grammar='root ::= "yes" | "no"'),
@@ -164,7 +164,7 @@ def test_valid_output_passes_and_invalid_is_refused(vocab):
         assert not accepts(vocab, person, json.dumps({**valid, **wrong})), wrong
     assert not accepts(vocab, person, json.dumps({k: v for k, v in valid.items() if k != "age"}))
 
-    calls = grammar_for(tools=[WEATHER, TIME], tool_choice="required")
+    calls = grammar_for(tools=[WEATHER, TIME], tool_choice="required", parallel_tool_calls=True)
     assert accepts(vocab, calls, '[{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "c"}}, '
                                  '{"name": "get_time", "arguments": {}}]')
     assert not accepts(vocab, calls, '[{"name": "get_time", "arguments": {"city": "Oslo"}}]')
@@ -263,3 +263,52 @@ def test_build_time_for_a_typical_schema():
     for _ in range(20):
         grammar_for(response_format=schema_format(schema))
     print(f"\ngrammar for a typical schema: {(time.perf_counter() - start) / 20 * 1000:.2f} ms")
+
+
+# -- issue 16: the grammars that bound what matching costs, in the real sampler -----------------
+
+
+def test_an_enum_prefix_tree_accepts_exactly_its_values(vocab):
+    rng = random.Random(16)
+    strings = sorted({"".join(rng.choice("0123") for _ in range(rng.randint(1, 6))) for _ in range(200)})
+    values = [*strings, "a", "ab", "abc", "b", "é", "x\"y", 1, 12, 123, -1, 1.5, True, None, "null",
+              *(int("9" * i) for i in range(4, 15))]
+    gbnf = grammar_for(json_schema={"enum": values})
+    assert compiles(vocab, gbnf), gbnf
+    for value in values:
+        assert accepts(vocab, gbnf, json.dumps(value, ensure_ascii=False)), value
+    near = {json.dumps(s + "0") for s in strings} | {json.dumps(s[:-1]) for s in strings if len(s) > 1}
+    near -= {json.dumps(s) for s in strings}
+    for text in [*sorted(near)[:60], '"abcd"', '"ac"', "1234", "2", "-12", "1.", "false", '"nul"']:
+        assert not accepts(vocab, gbnf, text), text
+
+
+@pytest.mark.parametrize("required", [[], ["r1", "r2"]])
+def test_optional_properties_any_subset_in_order(vocab, required):
+    optional = ["a", "b", "c", "d"]
+    schema = {"type": "object", "properties": {k: {"type": "integer"} for k in [*required, *optional]},
+              "required": required}
+    gbnf = grammar_for(json_schema=schema)
+    assert compiles(vocab, gbnf), gbnf
+    for mask in range(16):
+        keys = [*required, *(k for i, k in enumerate(optional) if mask >> i & 1)]
+        assert accepts(vocab, gbnf, json.dumps({k: 1 for k in keys})), keys
+    head = "".join(f'"{k}": 1, ' for k in required)
+    for wrong in ('{%s"b": 1, "a": 1}', '{%s"a": 1, "a": 1}', '{%s"a": 1,}', '{, %s"a": 1}', '{%s"e": 1}'):
+        assert not accepts(vocab, gbnf, wrong % head), wrong % head
+    if required:
+        assert not accepts(vocab, gbnf, '{"a": 1}')
+
+
+def test_tool_names_as_a_prefix_tree_each_lead_to_their_own_arguments(vocab):
+    names = ["get", "get_a", "get_ab", "get_b", "set_a"]
+    tools = [{"type": "function", "function": {"name": n, "parameters": {
+        "type": "object", "properties": {f"arg_{n}": {"type": "integer"}}, "required": [f"arg_{n}"]}}} for n in names]
+    gbnf = grammar_for(tools=tools, tool_choice="required", parallel_tool_calls=True)
+    assert compiles(vocab, gbnf), gbnf
+    for n in names:
+        assert accepts(vocab, gbnf, json.dumps([{"name": n, "arguments": {f"arg_{n}": 1}}]))
+    assert accepts(vocab, gbnf, json.dumps([{"name": n, "arguments": {f"arg_{n}": 2}} for n in names]))
+    assert not accepts(vocab, gbnf, json.dumps([{"name": "get_a", "arguments": {"arg_get": 1}}]))
+    assert not accepts(vocab, gbnf, json.dumps([{"name": "get_c", "arguments": {}}]))
+    assert not accepts(vocab, gbnf, json.dumps([{"name": "ge", "arguments": {}}]))

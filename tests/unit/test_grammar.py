@@ -99,7 +99,8 @@ def test_pydantic_and_openai_strict_schemas_give_a_grammar(make, model):
 
 def test_the_person_grammar_ties_every_field():
     r = rules(for_schema(to_strict_json_schema(Person)))
-    assert r["C" if "C" in r else "Color"] == '"\\"red\\"" | "\\"green\\""'
+    color = r["C" if "C" in r else "Color"]  # a prefix tree: the quote they share, then where they differ
+    assert color == '"\\"" Color-0' and r["Color-0"] == '"green\\"" | "red\\""'
     assert r["root"].startswith('"{" space name-kv "," space age-kv')
     assert r["Node-children-item"] == "Node"  # recursion through $defs, by name
     assert r["code"] == '"\\"" [A-Z]{3} "-" [0-9]{2,4} "\\"" space'
@@ -130,7 +131,8 @@ def test_control_characters_are_not_allowed_raw_in_strings():
 
 def test_literals_with_quotes_and_backslashes_are_escaped():
     r = rules(for_schema({"enum": ['a"b', "c\\d", "é"]}))
-    assert r["root"] == r'"\"a\\\"b\"" | "\"c\\\\d\"" | "\"é\""'
+    assert r["root"] == r'"\"" root-0'
+    assert r["root-0"] == r'"a\\\"b\"" | "c\\\\d\"" | "é\""'
 
 
 def test_a_property_named_like_a_def_does_not_stand_in_for_it():
@@ -140,7 +142,8 @@ def test_a_property_named_like_a_def_does_not_stand_in_for_it():
                              "thing": {"$ref": "#/$defs/Item"}},
               "$defs": {"Item": {"type": "string", "maxLength": 2}}}
     r = rules(for_schema(schema))
-    assert r["Item"] == '"{" space  (Item-n-kv )? "}" space'
+    assert r["Item"] == '"{" space ( "\\"" Item-keys-0 )? "}" space'  # the optional names' tree
+    assert r["Item-keys-0"] == '"n\\"" space ":" space integer'
     assert r["thing"] == "Item-ref" and r["Item-ref"] == '"\\"" (char (char)?)? "\\"" space'
 
 
@@ -157,22 +160,28 @@ def test_tool_choice_none_and_auto_give_no_grammar():
 
 
 def test_required_tools_give_an_array_of_calls_tied_to_each_tool():
-    r = rules(grammar_for(tools=[WEATHER, TIME], tool_choice="required"))
-    assert r["root"] == ('"[" space item ("," space item ("," space item ("," space item ("," space item '
-                         '("," space item ("," space item ("," space item)?)?)?)?)?)?)? "]" space')  # 1..8 calls
-    assert r["item"] == "item-0 | item-1"
-    assert r["item-0"] == "call-get-weather" and r["item-1"] == "call-get-time"
-    assert r["call-get-weather"] == '"{" space call-get-weather-name-kv "," space call-get-weather-arguments-kv "}" space'
-    assert r["call-get-weather-name"] == '"\\"get_weather\\""'
-    assert r["call-get-time-arguments"] == '"{" space  "}" space'
+    r = rules(grammar_for(tools=[WEATHER, TIME], tool_choice="required", parallel_tool_calls=True))
+    assert r["root"] == ('"[" space call ("," space call ("," space call ("," space call ("," space call '
+                         '("," space call ("," space call ("," space call)?)?)?)?)?)?)? "]" space')  # 1..8 calls
+    # The names are a prefix tree ("get_" once), each leaf going on with its own tool's arguments.
+    assert r["call"] == '"{" space "\\"name\\"" space ":" space "\\"get_" call-name-0 "}" space'
+    assert r["call-name-0"] == ('"time\\"" "," space "\\"arguments\\"" space ":" space call-get-time-arguments | '
+                                '"weather\\"" "," space "\\"arguments\\"" space ":" space call-get-weather-arguments')
+    assert r["call-get-time-arguments"] == '"{" space "}" space'
     assert r["call-get-weather-arguments"] == '"{" space call-get-weather-arguments-city-kv "}" space'
 
 
-def test_one_call_when_not_parallel_or_named():
-    one = rules(grammar_for(tools=[WEATHER, TIME], tool_choice="required", parallel_tool_calls=False))
-    assert one["root"] == '"[" space item "]" space'
-    named = rules(grammar_for(tools=[WEATHER, TIME], tool_choice={"type": "function", "function": {"name": "get_time"}}))
-    assert named["root"] == '"[" space item "]" space' and named["item"] == "call-get-time"
+def test_one_call_unless_parallel_is_asked_or_when_named():
+    """parallel_tool_calls defaults to false, as llama-server's (issue 16: with it true by default the bundled
+    model repeated the same forced call until max_tokens)."""
+    for one in (grammar_for(tools=[WEATHER, TIME], tool_choice="required"),
+                grammar_for(tools=[WEATHER, TIME], tool_choice="required", parallel_tool_calls=False)):
+        assert rules(one)["root"] == '"[" space call "]" space'
+    named = rules(grammar_for(tools=[WEATHER, TIME], tool_choice={"type": "function", "function": {"name": "get_time"}},
+                              parallel_tool_calls=True))
+    assert named["root"] == '"[" space call "]" space'
+    assert named["call"] == ('"{" space "\\"name\\"" space ":" space "\\"get_time\\"" "," space "\\"arguments\\"" '
+                             'space ":" space call-get-time-arguments "}" space')
     assert "get_weather" not in "\n".join(named.values())
 
 
@@ -418,7 +427,7 @@ def test_annotations_are_accepted():
               "$comment": "c", "title": "T", "description": "d", "examples": [{}], "default": {}, "deprecated": False,
               "readOnly": True, "writeOnly": False, "x-vendor": 1, "type": "object",
               "properties": {"a": {"type": "string", "title": "A", "default": "x", "examples": ["x"]}}}
-    assert "a-kv" in rules(for_schema(schema))
+    assert '"a\\"" space ":" space string' in rules(for_schema(schema)).values()
 
 
 def test_keywords_that_only_allow_more_give_the_stricter_grammar():

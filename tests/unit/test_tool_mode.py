@@ -31,3 +31,11 @@ def test_an_auto_answer_cut_after_a_call_says_length():
     content, calls, reason = auto.calls(f"<tool_call>\n{CALL}\n</tool_call>\n<tool_call>\n" + '{"name": "', "length")
     assert len(calls) == 1 and reason == "length"
     assert auto.calls("just words", "stop") == ("just words", [], "stop")
+
+
+def test_an_auto_answer_cut_inside_a_call_has_no_markup_in_its_content():
+    """Issue 16: the cut block came back as content beside the parsed calls."""
+    auto = ToolMode(("f",), forced=False, parallel=True)
+    text = f"Checking.\n<tool_call>\n{CALL}\n</tool_call>\n<tool_call>\n" + '{"name": "f", "argu'
+    assert auto.calls(text, "length") == ("Checking.", forced_calls(f"[{CALL}]", ["f"]), "length")
+    assert auto.calls("Checking.\n<tool_call>\n{\"na", "length") == ("Checking.", [], "length")

@@ -24,6 +24,23 @@ def call(name: str, arguments: dict) -> ParsedCall:
     return ParsedCall(name, json.dumps(arguments, ensure_ascii=False))
 
 
+def grows_linearly(run, size: int, factor: int = 8, slack: float = 3.0) -> bool:
+    """run(size) and run(factor * size), timed (best of three): True when the
+    larger took less than `slack` times `factor` as long, i.e. far from the
+    factor**2 a quadratic scan would take. A ratio, not a wall-clock bound, so
+    a loaded machine slows both sides alike."""
+    def best(n: int) -> float:
+        times = []
+        for _ in range(3):
+            started = time.perf_counter()
+            run(n)
+            times.append(time.perf_counter() - started)
+        return min(times)
+
+    small, large = best(size), best(factor * size)
+    return large < slack * factor * max(small, 1e-4)
+
+
 def streamed(text: str, pieces: int | list[str] = 3, tools=TOOLS) -> tuple[str, list[ParsedCall]]:
     """Feed `text` in pieces of that many characters (or the given pieces);
     every streamed piece must be free of call markup."""
@@ -70,9 +87,38 @@ def test_hermes_unterminated_final_block_with_complete_json():
     assert parse_tool_calls(text, TOOLS) == ("Sure.", [call("get_time", {})])
 
 
-def test_hermes_unterminated_final_block_with_incomplete_json_is_content():
-    text = 'Sure.\n<tool_call>\n{"name": "get_time", "argum'
-    assert parse_tool_calls(text, TOOLS) == (text, [])
+CUT_CALLS = {  # an answer cut inside a call -> its content (issue 16: the markup came back as content)
+    "hermes, after a call": ('<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>\n'
+                             '<tool_call>\n{"name": "search", "argu', None),
+    "hermes, the only call": ('Sure.\n<tool_call>\n{"name": "get_time", "argum', "Sure."),
+    "hermes, right after the tag": ("Sure.\n<tool_call>\n", "Sure."),
+    "hermes, a cut call before the next": ('<tool_call>{"name": "get_t<tool_call>{"name": "get_time", '
+                                           '"arguments": {}}</tool_call>', None),
+    "hermes, in the closing tag": ('Sure.<tool_call>{"name": "get_time", "arguments": {}}</tool_', "Sure."),
+    "mistral array": ('Of course.[TOOL_CALLS][{"name": "search", "arguments": {"q": "mis', "Of course."),
+    "mistral v11": ('[TOOL_CALLS]get_time[ARGS]{}[TOOL_CALLS]search[ARGS]{"q": "a', None),
+    "mistral v11, in the name": ("[TOOL_CALLS]get_ti", None),
+    "python tag": ('<|python_tag|>{"name": "search", "parameters": {"q": "lla', None),
+}
+
+
+@pytest.mark.parametrize("case", list(CUT_CALLS))
+@pytest.mark.parametrize("size", [1, 4, 1000])
+def test_a_call_cut_short_is_never_content(case, size):
+    text, content = CUT_CALLS[case]
+    parsed_content, calls = parse_tool_calls(text, TOOLS)
+    assert parsed_content == content
+    assert streamed(text, size) == (content or "", calls)
+    for marker in ("<tool_call>", "</tool_", "[TOOL_CALLS]", "[ARGS]", "<|python_tag|>", '"name"'):
+        assert marker not in (parsed_content or "")
+
+
+def test_markup_that_is_not_a_call_being_written_stays_content():
+    for text in ("Wrap a call in <tool_call> and you are done.",  # prose after the tag
+                 '<tool_call>{"name": "launch_missiles", "arguments": {}}</tool_call>',  # a complete, undeclared call
+                 '<tool_call>{"name": "launch_missiles", "arguments": {}}'):
+        assert parse_tool_calls(text, TOOLS) == (text, [])
+        assert streamed(text, 3) == (text, [])
 
 
 def test_hermes_unterminated_block_before_the_next_one():
@@ -181,14 +227,14 @@ def test_mistral_v11_call_id_is_tolerated():
     assert parse_tool_calls(text, TOOLS) == (None, [call("search", {"q": "x"})])
 
 
-def test_mistral_unknown_name_or_bad_json_is_content():
+def test_mistral_unknown_name_is_content_and_a_cut_call_is_not():
     for text in (
         '[TOOL_CALLS][{"name": "search", "arguments": {}}, {"name": "rm_rf", "arguments": {}}]',
         '[TOOL_CALLS]rm_rf[ARGS]{"path": "/"}',
-        '[TOOL_CALLS]search[ARGS]{"q": ',
-        "[TOOL_CALLS]",
     ):
         assert parse_tool_calls(text, TOOLS) == (text, []), text
+    for text in ('[TOOL_CALLS]search[ARGS]{"q": ', "[TOOL_CALLS]"):  # cut short: markup, not content
+        assert parse_tool_calls(text, TOOLS) == (None, []), text
 
 
 # -- Dormouse's grammar (tool_choice required / named) -------------------------------
@@ -254,21 +300,29 @@ def test_plain_text_is_returned_unchanged():
 # -- hostile output ------------------------------------------------------------------------
 
 
-def test_a_megabyte_of_open_tags_is_content_and_fast():
-    for text in ("<tool_call>" * 100_000, "<tool_call>{" * 90_000, "<tool_call></tool_call>" * 50_000, "</tool_call>" * 90_000 + "<tool_call>"):
-        started = time.perf_counter()
-        assert parse_tool_calls(text, TOOLS) == (text, [])
-        assert time.perf_counter() - started < 2.0
-        started = time.perf_counter()
-        assert streamed(text, 997) == (text, [])
-        assert time.perf_counter() - started < 2.0
+HOSTILE_TAGS = {  # (a repeated unit, what follows the repeats, the content of n repeats)
+    # Blocks with no end and no JSON in them are calls cut short: markup, never content.
+    "open tags": ("<tool_call>", "", lambda n: None),
+    "open tags with a brace": ("<tool_call>{", "", lambda n: None),
+    "empty blocks": ("<tool_call></tool_call>", "", lambda n: "<tool_call></tool_call>" * n),
+    "stray closes": ("</tool_call>", "<tool_call>", lambda n: "</tool_call>" * n),
+}
+
+
+@pytest.mark.parametrize("case", list(HOSTILE_TAGS))
+def test_a_megabyte_of_open_tags_is_never_a_call_and_linear(case):
+    unit, tail, content = HOSTILE_TAGS[case]
+    text = unit * 90_000 + tail
+    assert parse_tool_calls(text, TOOLS) == (content(90_000), [])
+    assert streamed(text, 997) == (content(90_000) or "", [])
+    assert grows_linearly(lambda n: parse_tool_calls(unit * n + tail, TOOLS), 11_000)
+    assert grows_linearly(lambda n: streamed(unit * n + tail, 997), 11_000)
 
 
 def test_many_valid_calls_are_linear():
     block = '<tool_call>{"name": "get_time", "arguments": {}}</tool_call>'
-    started = time.perf_counter()
     assert len(parse_tool_calls(block * 20_000, TOOLS)[1]) == 20_000
-    assert time.perf_counter() - started < 2.0
+    assert grows_linearly(lambda n: parse_tool_calls(block * n, TOOLS), 2_500)
 
 
 @pytest.mark.parametrize("depth", [1_000, 100_000])
@@ -352,13 +406,15 @@ def test_stream_content_around_calls():
 
 
 def test_stream_whitespace_only_pieces_are_cheap():
-    stream = ToolCallStream(TOOLS)
-    assert stream.feed("x") == "x"
-    started = time.perf_counter()
-    for _ in range(200_000):
-        assert stream.feed(" ") == ""
-    assert stream.feed("y") == " " * 200_000 + "y"
-    assert time.perf_counter() - started < 2.0
+    def feed_spaces(n: int) -> None:
+        stream = ToolCallStream(TOOLS)
+        assert stream.feed("x") == "x"
+        for _ in range(n):
+            assert stream.feed(" ") == ""
+        assert stream.feed("y") == " " * n + "y"
+
+    feed_spaces(200_000)
+    assert grows_linearly(feed_spaces, 25_000)
 
 
 # -- ids and deltas -----------------------------------------------------------------------------
