@@ -160,3 +160,32 @@ def test_an_unrelated_chat_after_a_restore_is_answered_as_a_fresh_read(start_dae
         reference, _, _, _ = complete(fresh, unrelated, cache=False)  # a daemon that never saw the long chat
         assert kept == 0  # the shared header is not in the window layers: read from 0
         assert got == reference
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory) -> str:
+    from tests.fixtures.tiny_model import write_tiny_model
+
+    return str(write_tiny_model(tmp_path_factory.mktemp("tiny") / "tiny-llama.gguf"))
+
+
+def test_a_full_attention_model_restores_by_the_longest_common_prefix(start_daemon, tmp_path, tiny_model):
+    """Without a sliding window a saved state holds every position, so after a
+    sleep an edited prompt, or the same prompt again, restores up to where it
+    differs from what was saved (the saved entry being the prompt and its answer)."""
+    d = start_daemon("--model", tiny_model, "--parallel", "1", "--ctx-size", "1024", "--sleep-idle-seconds", "-1",
+                     "--state-dir", str(tmp_path / "state"), env={"DORMOUSE_KV_CACHE_MIN_TOKENS": "16"})
+    d.wait_state("ready")
+    rng = random.Random(5)
+    prompt = [rng.randrange(3, 300) for _ in range(300)]
+
+    def ask(tokens):
+        r = d.http.post("/completion", json={"prompt": tokens, "n_predict": 4, "temperature": 0})
+        assert r.status_code == 200, r.text
+        return r.json()["tokens_cached"]
+
+    ask(prompt)
+    for edited, kept in ((prompt[:200] + [7] * 50, 200), (prompt, 299)):  # an edit; a regenerate
+        assert d.http.post("/sleep").status_code == 200
+        assert ask(edited) == kept
+    assert value(d.http.get("/metrics").text, "dormouse_kv_cache_restored_tokens_total") == 200 + 299
