@@ -156,7 +156,8 @@ def _log_answer(request: web.Request, status: int, code: str | None, started: fl
     if request.get(LOGGED):
         return
     endpoint = GENERATION_ENDPOINTS.get(request.path)
-    quiet = code is None and request.path in QUIET_PATHS  # /health's 503 while loading is an answer, not a refusal
+    # /health's 503 while loading is an answer, not a refusal; the status page and its files load like a scrape.
+    quiet = code is None and (request.path in QUIET_PATHS or request.path == "/" or request.path.startswith("/ui"))
     log = request.app[LOG]
     (log.debug if quiet else log.info)("request", endpoint=endpoint or request.path[:200], method=request.method,
                                        status=status, code=code, seconds=round(time.monotonic() - started, 4))

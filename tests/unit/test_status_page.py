@@ -57,3 +57,26 @@ async def test_the_page_keeps_the_host_rule():
     async with fake_daemon(allowed_hosts=["localhost"]) as (_, client):
         assert (await client.get("/", headers={"Host": "evil.example"})).status == 403
         assert (await client.get("/", headers={"Host": "localhost:8080"})).status == 200
+
+
+async def test_the_page_and_its_files_are_logged_as_quietly_as_a_scrape(monkeypatch):
+    """A page left open asks every 2 s; its loads are debug lines, as /props's are, not info."""
+    import tests.conftest
+
+    lines: list[tuple[str, str]] = []
+
+    class Recorder:
+        def bind(self, **_):
+            return self
+
+        def __getattr__(self, level):
+            return lambda event, **fields: lines.append((level, fields.get("endpoint", ""))) if event == "request" \
+                else None
+
+    monkeypatch.setattr(tests.conftest, "get_logger", lambda *a, **k: Recorder())
+    async with fake_daemon() as (_, client):
+        for path in ("/", "/ui", "/ui/status.js", "/props", "/nope"):
+            await client.get(path)
+    levels = dict((endpoint, level) for level, endpoint in lines)
+    assert levels["/"] == levels["/ui"] == levels["/ui/status.js"] == levels["/props"] == "debug", lines
+    assert levels["/nope"] == "info", lines  # the rest is still worth a line
