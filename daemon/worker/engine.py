@@ -26,7 +26,7 @@ from daemon.protocol import VERIFY_GROUP
 from daemon.worker.reuse import ReuseRule
 from daemon.worker.runtime import Runtime
 from daemon.worker.sampling import SamplerChain
-from daemon.worker.slot import Choices, Job, Slot, choose_slot
+from daemon.worker.slot import Choices, Job, Slot, choose_slot, least_recently_used
 from statemachine import SlotState
 
 
@@ -285,7 +285,7 @@ class Engine:
                 if msg.messages is not None:
                     text, images = self.chat_prompt(msg)
                     if images:  # only possible with a projector: chat_prompt refuses them otherwise
-                        self._assign_media(min(idle, key=lambda s: (s.last_used, s.id)), msg, text, images)
+                        self._assign_media(min(idle, key=least_recently_used), msg, text, images)
                         continue
                     tokens = self.prompt_tokens_within(text, self.n_ctx_slot)
                 else:
@@ -309,11 +309,11 @@ class Engine:
                 restored = self.saved.restore(slot, tokens, self.keepable(slot, tokens)) if self.saved is not None \
                     else (0, 0.0, "", None)
             else:  # the client asked for a fresh read: the least recently used slot, nothing kept
-                slot, restored = min(idle, key=lambda s: (s.last_used, s.id)), (0, 0.0, "", None)
+                slot, restored = min(idle, key=least_recently_used), (0, 0.0, "", None)
             self._assign(slot, msg, tokens, sampler, self.keepable(slot, tokens) if msg.cache_prompt else 0)
             job = slot.job
             if msg.n > 1:  # the other choices' slots wait, least recently used first, for the prompt's KV
-                others = sorted((s for s in idle if s is not slot), key=lambda s: (s.last_used, s.id))[:msg.n - 1]
+                others = sorted((s for s in idle if s is not slot), key=least_recently_used)[:msg.n - 1]
                 job.group = Choices(msg.n, job, others)
                 for other in others:
                     other.reserved_for = job.group

@@ -114,4 +114,9 @@ def choose_slot(idle: list[Slot], tokens: list[int], keepable: Callable[[Slot], 
     best = max(idle, key=lambda s: kept[s.id])
     if kept[best.id] > 1 and kept[best.id] > PROMPT_SIMILARITY * len(tokens):
         return best
-    return min(idle, key=lambda s: (s.last_used, s.id))
+    return min(idle, key=least_recently_used)
+
+
+def least_recently_used(slot: Slot) -> tuple[float, int]:
+    """The order in which idle slots are given away: the one used longest ago first."""
+    return slot.last_used, slot.id
