@@ -55,6 +55,26 @@ def normalize_host(name: str, strict: bool = False) -> str:
     return host
 
 
+def normalize_origin(origin: str) -> str:
+    """'https://ui.example:8443' as browsers send it in Origin (no path, the
+    default port left out), or '*'; anything else is refused."""
+    from yarl import URL
+
+    origin = origin.strip()
+    if origin == "*":
+        return origin
+    try:
+        url = URL(origin)
+    except (ValueError, TypeError):
+        url = None
+    if url is None or url.scheme not in ("http", "https") or not url.host or url.path not in ("", "/") \
+            or url.query_string or url.fragment or url.user:
+        raise ValueError(f"{origin[:100]!r} is not an origin (scheme://host[:port], e.g. https://ui.example:8443, or *)")
+    host = normalize_host(url.host, strict=True)
+    shown = f"[{host}]" if ":" in host else host
+    return f"{url.scheme}://{shown}" + ("" if url.is_default_port() else f":{url.port}")
+
+
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="forbid", validate_default=True)
 
@@ -99,6 +119,11 @@ class Settings(BaseSettings):
         default_factory=list, max_length=256,
         description="Host header names (no port) the daemon answers; empty: any. A request naming another host gets "
                     "403 (a defense against DNS rebinding). A list, or names separated by commas")
+    cors_origins: Annotated[list[str], NoDecode] = Field(
+        default_factory=list, max_length=256,
+        description="browser origins (scheme://host[:port]) whose pages may call the daemon: their requests get "
+                    "CORS headers and every route answers the OPTIONS preflight; \"*\" allows any origin; empty: "
+                    "none (a cross-origin POST is 403). A list, or origins separated by commas. Keys still apply")
     metrics_key: SecretStr | None = Field(
         None, description="Bearer key for /health and /metrics; none: both open. Probes and scrapers must then send it")
     max_image_pixels: int = Field(16_777_216, ge=1, le=2**30,
@@ -212,6 +237,16 @@ class Settings(BaseSettings):
                     raise ValueError("is neither a JSON list nor names separated by commas") from None
             return [name for name in (part.strip() for part in value.split(",")) if name]
         return value
+
+    @field_validator("cors_origins", mode="before")
+    @classmethod
+    def _origin_list(cls, value: Any) -> Any:
+        return cls._host_list(value)
+
+    @field_validator("cors_origins")
+    @classmethod
+    def _origins(cls, value: list[str]) -> list[str]:
+        return [normalize_origin(origin) for origin in value]
 
     @field_validator("allowed_hosts")
     @classmethod

@@ -6,20 +6,27 @@ Access, in order (each refusal is an OpenAI error body):
 - Host: with `allowed_hosts` set, a Host header naming another host is 403.
   A web page on a rebinding domain (evil.example resolving to 127.0.0.1)
   reaches the daemon with its own name in Host.
-- Origin: a POST whose Origin header names another host than Host is 403.
-  Browsers send Origin on every cross-origin POST (no-cors fetches and form
-  posts included); curl and API clients send none. The daemon answers no
-  CORS, so no legitimate browser page on another origin is refused by this.
-- Keys: /v1/*, llama-server's /tokenize, /detokenize, /apply-template and
-  /completion, /props and /slots need `api_key` (props and slots expose paths
+- Origin: a POST whose Origin header names another host than Host is 403,
+  unless `cors_origins` lists that origin. Browsers send Origin on every
+  cross-origin POST (no-cors fetches and form posts included); curl and API
+  clients send none. A listed origin gets CORS headers on every answer, and
+  its OPTIONS preflight is answered on every route (before keys: browsers
+  send no Authorization on a preflight).
+- Keys: /v1/*, Ollama's /api/*, llama-server's /tokenize, /detokenize,
+  /apply-template, /completion, /infill, /rerank and its unversioned aliases
+  of /v1/* (/chat/completions ...), /props and /slots need `api_key` (props and slots expose paths
   and request ids; the admin key works there too), /sleep and /wake need
   `admin_key`, or `api_key` when no admin key is set, /health and /metrics
-  need `metrics_key` when one is set. 401 otherwise.
+  need `metrics_key` when one is set. 401 otherwise. Anthropic's clients send
+  the key as `x-api-key`, which is read beside `Authorization: Bearer`.
 - Content-Type: a POST body must be declared `application/json` (415
   otherwise): a page can POST text/plain or a form cross-origin without a
   preflight, never application/json. /sleep and /wake may have no body and
   no Content-Type at all (`curl -XPOST .../sleep`; aiohttp's client says
   application/octet-stream for no body, which is let through too).
+
+Errors are rendered in the dialect of the path (errors.dialect_of): OpenAI's
+shape, Anthropic's under /v1/messages, Ollama's under /api/.
 
 Every answered request gets one `request` log line (endpoint, status, code);
 generation requests log theirs in openai_routes with their timings.
@@ -35,21 +42,31 @@ from pydantic import SecretStr
 from yarl import URL
 
 from config import Settings
-from config.settings import normalize_host
+from config.settings import normalize_host, normalize_origin
 from daemon.fleet.owner import Fleet
-from daemon.http.errors import ApiError
+from daemon.http.errors import ApiError, dialect_of
 from daemon.http.keys import FLEET, LOG, LOGGED, METRICS, SETTINGS
 from daemon.metrics import MetricFamilies
 
 ADMIN_PATHS = frozenset({"/sleep", "/wake", "/models/load", "/models/unload"})
-PROBE_PATHS = frozenset({"/health", "/metrics"})
+ADMIN_PREFIXES = ("/slots/",)  # POST /slots/{id}?action=save|restore|erase
+PROBE_PATHS = frozenset({"/health", "/metrics", "/v1/health"})
 PRIVATE_GET_PATHS = frozenset({"/props", "/slots"})
-# llama-server's extras: model work like /v1/*, behind the same API key.
-LLAMA_SERVER_PATHS = frozenset({"/tokenize", "/detokenize", "/apply-template", "/completion"})
-# Their endpoint names in logs and metrics labels (as the jobs' names).
-GENERATION_ENDPOINTS = {"/v1/completions": "completions", "/v1/chat/completions": "chat.completions",
-                        "/v1/embeddings": "embeddings", "/completion": "completion", "/tokenize": "tokenize",
-                        "/detokenize": "detokenize", "/apply-template": "apply-template"}
+# llama-server's extras and its unversioned aliases of /v1/*: model work like /v1/*, behind the same API key.
+LLAMA_SERVER_PATHS = frozenset({"/tokenize", "/detokenize", "/apply-template", "/completion", "/infill", "/rerank",
+                                "/reranking", "/chat/completions", "/completions", "/embeddings", "/models"})
+API_PREFIXES = ("/v1/", "/api/")
+# Their endpoint names in logs and metrics labels (as the jobs' names: a handler names its job the same).
+GENERATION_ENDPOINTS = {"/v1/completions": "completions", "/completions": "completions",
+                        "/v1/chat/completions": "chat.completions", "/chat/completions": "chat.completions",
+                        "/v1/embeddings": "embeddings", "/embeddings": "embeddings", "/completion": "completion",
+                        "/tokenize": "tokenize", "/detokenize": "detokenize", "/apply-template": "apply-template",
+                        "/v1/responses": "responses", "/v1/responses/input_tokens": "responses.input_tokens",
+                        "/v1/chat/completions/input_tokens": "chat.input_tokens",
+                        "/v1/messages": "messages", "/v1/messages/count_tokens": "messages.count_tokens",
+                        "/api/chat": "ollama.chat", "/api/generate": "ollama.generate", "/api/embed": "ollama.embed",
+                        "/api/embeddings": "ollama.embeddings", "/infill": "infill", "/v1/rerank": "rerank",
+                        "/rerank": "rerank", "/reranking": "rerank", "/v1/reranking": "rerank"}
 # Answers here change nothing and come every few seconds (probes, scrapes):
 # their log line is at debug level, unless the request was refused.
 QUIET_PATHS = frozenset({"/health", "/metrics", "/props", "/slots", "/v1/models", "/openapi.json"})
@@ -92,10 +109,23 @@ def _same_origin(origin: str, host_header: str) -> bool:
     return bool(host) and host == origin_host and (port or origin_port) == origin_port
 
 
-def _check_origin(request: web.Request) -> None:
+def _cors_allowed(origin: str | None, settings: Settings) -> bool:
+    if origin is None or not settings.cors_origins:
+        return False
+    if "*" in settings.cors_origins:
+        return True
+    try:
+        return normalize_origin(origin) in settings.cors_origins
+    except ValueError:
+        return False
+
+
+def _check_origin(request: web.Request, settings: Settings) -> None:
     origin = request.headers.get("Origin")
-    if request.method == "POST" and origin is not None and not _same_origin(origin, request.headers.get("Host", "")):
-        raise ApiError(403, "cross-origin POST refused: the Origin header names another host than Host", "cross_origin")
+    if request.method == "POST" and origin is not None and not _same_origin(origin, request.headers.get("Host", "")) \
+            and not _cors_allowed(origin, settings):
+        raise ApiError(403, "cross-origin POST refused: the Origin header names another host than Host, and "
+                            "cors_origins does not list it", "cross_origin")
 
 
 def _bearer(request: web.Request) -> bytes:
@@ -107,16 +137,16 @@ def _bearer(request: web.Request) -> bytes:
 
 def _keys_for(path: str, settings: Settings) -> tuple[list[SecretStr], str]:
     """The keys any one of which opens `path` (none: open), and what to call them."""
-    if path.startswith("/v1/") or path in LLAMA_SERVER_PATHS:
+    if path in PROBE_PATHS:
+        return [k for k in (settings.metrics_key,) if k], "metrics key"
+    if path.startswith(API_PREFIXES) or path in LLAMA_SERVER_PATHS:
         return [k for k in (settings.api_key,) if k], "API key"
     if path in PRIVATE_GET_PATHS:
         return ([settings.api_key, settings.admin_key] if settings.api_key else []), "API key"
-    if path in ADMIN_PATHS:
+    if path in ADMIN_PATHS or path.startswith(ADMIN_PREFIXES):
         if settings.admin_key:
             return [settings.admin_key], "admin key"
         return [k for k in (settings.api_key,) if k], "API key"
-    if path in PROBE_PATHS:
-        return [k for k in (settings.metrics_key,) if k], "metrics key"
     return [], ""
 
 
@@ -146,8 +176,8 @@ def _check_content_type(request: web.Request) -> None:
 
 
 def check_access(request: web.Request, settings: Settings) -> None:
-    _check_host(request, settings)
-    _check_origin(request)
+    """After the Host check and the preflight."""
+    _check_origin(request, settings)
     _check_key(request, settings)
     _check_content_type(request)
 
@@ -166,26 +196,62 @@ def _log_answer(request: web.Request, status: int, code: str | None, started: fl
         request.app[METRICS].requests.labels(model="", endpoint=endpoint, status=str(status)).inc()
 
 
+def _preflight(request: web.Request, settings: Settings) -> web.Response | None:
+    """The answer to a CORS preflight from an allowed origin for a route that
+    exists; None: not a preflight (or not allowed: the browser then refuses)."""
+    if request.method != "OPTIONS" or "Access-Control-Request-Method" not in request.headers:
+        return None
+    if not isinstance(request.match_info.http_exception, web.HTTPMethodNotAllowed):
+        return None  # no such route: 404 follows
+    if not _cors_allowed(request.headers.get("Origin"), settings):
+        raise ApiError(403, "CORS preflight refused: cors_origins does not list this origin", "cross_origin")
+    allowed = sorted(request.match_info.http_exception.allowed_methods | {"OPTIONS"})
+    return web.Response(status=204, headers={
+        "Access-Control-Allow-Methods": ", ".join(allowed),
+        # Echoed: Authorization, Content-Type, x-api-key, anthropic-version, X-Dormouse-Max-Wait ... (keys still apply)
+        "Access-Control-Allow-Headers": request.headers.get("Access-Control-Request-Headers", "")[:1024],
+        "Access-Control-Max-Age": "600",
+    })
+
+
+EXPOSED_HEADERS = "Retry-After, X-Request-Id, X-Dormouse-Cold-Start, X-Dormouse-Wake-Seconds"
+
+
+async def _cors_headers(request: web.Request, response: web.StreamResponse) -> None:
+    """On every answer to an allowed origin, streams included (on_response_prepare: before headers go out)."""
+    origin = request.headers.get("Origin")
+    if _cors_allowed(origin, request.app[SETTINGS]):
+        response.headers["Access-Control-Allow-Origin"] = origin
+        response.headers["Access-Control-Expose-Headers"] = EXPOSED_HEADERS
+        response.headers.add("Vary", "Origin")
+
+
 @web.middleware
 async def errors_and_access(request: web.Request, handler):
     settings = request.app[SETTINGS]
     started = time.monotonic()
+    dialect = dialect_of(request.path)
     try:
+        _check_host(request, settings)
+        preflight = _preflight(request, settings)
+        if preflight is not None:
+            _log_answer(request, 204, None, started)
+            return preflight
         check_access(request, settings)
         response = await handler(request)
     except ApiError as exc:
-        response = exc.response()
+        response = exc.response(dialect)
         _log_answer(request, exc.status, exc.code, started)
         return response
     except web.HTTPRequestEntityTooLarge:
         error = ApiError(413, f"request body is larger than {settings.max_body_bytes} bytes (max_body_bytes)",
                          "request_too_large")
         _log_answer(request, 413, error.code, started)
-        return error.response()
+        return error.response(dialect)
     except web.HTTPException as exc:
         _log_answer(request, exc.status, None, started)
         if exc.status >= 400 and exc.content_type != JSON:
-            return ApiError(exc.status, exc.reason or "error", None).response()
+            return ApiError(exc.status, exc.reason or "error", None).response(dialect)
         raise
     except Exception:
         _log_answer(request, 500, "internal_error", started)
@@ -195,15 +261,16 @@ async def errors_and_access(request: web.Request, handler):
 
 
 def build_app(fleet: Fleet, settings: Settings, metrics: MetricFamilies, log) -> web.Application:
-    from daemon.http import admin_routes, llama_routes, openai_routes, ui
+    from daemon.http import (admin_routes, anthropic_messages, infill, llama_routes, ollama_api, openai_routes, rerank,
+                             responses, slot_files, ui)
 
     app = web.Application(middlewares=[errors_and_access], client_max_size=settings.max_body_bytes)
+    app.on_response_prepare.append(_cors_headers)
     app[FLEET] = fleet
     app[SETTINGS] = settings
     app[METRICS] = metrics
     app[LOG] = log
-    openai_routes.add_routes(app)
-    llama_routes.add_routes(app)
-    admin_routes.add_routes(app)
-    ui.add_routes(app)
+    for routes in (openai_routes, llama_routes, responses, anthropic_messages, ollama_api, infill, rerank, admin_routes,
+                   slot_files, ui):
+        routes.add_routes(app)
     return app

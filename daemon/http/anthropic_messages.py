@@ -1,0 +1,9 @@
+"""Anthropic Messages (/v1/messages): not built yet (issue 17/18); its routes are added here."""
+
+from __future__ import annotations
+
+from aiohttp import web
+
+
+def add_routes(app: web.Application) -> None:
+    pass

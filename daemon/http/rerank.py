@@ -1,0 +1,9 @@
+"""rerank (/v1/rerank and aliases): not built yet (issue 17/18); its routes are added here."""
+
+from __future__ import annotations
+
+from aiohttp import web
+
+
+def add_routes(app: web.Application) -> None:
+    pass
