@@ -163,6 +163,7 @@ class Query(Message):
       tokenize        text: str, add_special: bool, with_pieces: bool
       detokenize      tokens: list[int]
       apply_template  messages: list[ChatMessage], tools: list[Tool]
+      count_chat      messages, tools: Answer.prompt_tokens is what a chat request with them reads (images included)
       embed           inputs: list[str | list[int]]
     """
 
@@ -289,7 +290,7 @@ class Answer(Message):
     pieces: list[bytes] = []  # tokenize with_pieces
     text: str = ""  # detokenize, apply_template
     embeddings: list[list[float]] = []  # embed, in input order, normalized
-    prompt_tokens: int = 0  # embed: tokens read
+    prompt_tokens: int = 0  # embed: tokens read; count_chat: tokens the chat prompt takes
     error: str | None = None
     error_code: str | None = None
 

@@ -141,6 +141,11 @@ class Engine:
             if images:
                 raise RequestError("/apply-template renders text only: the messages have images")
             return p.Answer(msg.request_id, text=text)
+        if msg.kind == "count_chat":  # the prompt tokens a chat request with these messages and tools reads
+            text, images = self.chat_prompt(msg)
+            if images:
+                return p.Answer(msg.request_id, prompt_tokens=self.media.count(text, images))
+            return p.Answer(msg.request_id, prompt_tokens=len(self.prompt_tokens_within(text, self.n_ctx_slot)))
         raise RequestError(f"unknown query kind {msg.kind!r}")
 
     # -- embeddings: one input per step, so pings are answered between inputs --

@@ -8,6 +8,8 @@ and decodes everything into the slot's sequence.
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 from daemon.worker.errors import RequestError
 from daemon.worker.llama_lib import llama, mtmd
@@ -23,10 +25,30 @@ class MediaPrompts:
         self.ctx = mmproj
         self.marker = self.lib.mtmd_default_marker().decode()
 
+    def count(self, text: str, images: list[bytes]) -> int:
+        """The prompt tokens text+images take (image tokens included), without decoding them."""
+        with self._chunks(text, images) as chunks:
+            return self.lib.mtmd_helper_get_n_tokens(chunks)
+
     def evaluate(self, lctx: ctypes.c_void_p, text: str, images: list[bytes], seq_id: int, n_batch: int,
                  n_ctx_slot: int) -> tuple[int, int]:
         """Decode text+images into sequence `seq_id` from position 0, logits for the
         last position. Returns (positions used, prompt tokens)."""
+        lib = self.lib
+        with self._chunks(text, images) as chunks:
+            n_pos = lib.mtmd_helper_get_n_pos(chunks)
+            if n_pos >= n_ctx_slot:
+                raise MediaError(f"prompt with images needs {n_pos} positions; a slot holds {n_ctx_slot}",
+                                 "context_length_exceeded")
+            new_n_past = llama.llama_pos(0)
+            rc = lib.mtmd_helper_eval_chunks(self.ctx, lctx, chunks, 0, seq_id, n_batch, True, ctypes.byref(new_n_past))
+            if rc != 0:
+                raise MediaError(f"encoding the prompt with its images failed ({rc})")
+            return new_n_past.value, lib.mtmd_helper_get_n_tokens(chunks)
+
+    @contextmanager
+    def _chunks(self, text: str, images: list[bytes]) -> Iterator[ctypes.c_void_p]:
+        """text+images tokenized by mtmd (its input chunks, freed after)."""
         lib = self.lib
         bitmaps = []
         chunks = lib.mtmd_input_chunks_init()
@@ -47,15 +69,7 @@ class MediaPrompts:
             rc = lib.mtmd_tokenize(self.ctx, chunks, ctypes.byref(prompt), array, len(bitmaps))
             if rc != 0:
                 raise MediaError(f"the prompt and its images do not match (mtmd_tokenize returned {rc})")
-            n_pos = lib.mtmd_helper_get_n_pos(chunks)
-            if n_pos >= n_ctx_slot:
-                raise MediaError(f"prompt with images needs {n_pos} positions; a slot holds {n_ctx_slot}",
-                                 "context_length_exceeded")
-            new_n_past = llama.llama_pos(0)
-            rc = lib.mtmd_helper_eval_chunks(self.ctx, lctx, chunks, 0, seq_id, n_batch, True, ctypes.byref(new_n_past))
-            if rc != 0:
-                raise MediaError(f"encoding the prompt with its images failed ({rc})")
-            return new_n_past.value, lib.mtmd_helper_get_n_tokens(chunks)
+            yield chunks
         finally:
             lib.mtmd_input_chunks_free(chunks)
             for bitmap in bitmaps:

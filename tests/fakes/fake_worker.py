@@ -43,6 +43,11 @@ def fake_answer(query: p.Query) -> p.Answer:
         return p.Answer(query.request_id, text=" ".join(f"w{t}" for t in query.tokens))
     if query.kind == "apply_template":
         return p.Answer(query.request_id, text="".join(f"{m.role}: {m.content}\n" for m in query.messages))
+    if query.kind == "count_chat":  # a word per token, as tokenize
+        return p.Answer(query.request_id, prompt_tokens=sum(
+            len(m.content.split()) if isinstance(m.content, str) else sum(len((part.text or "").split()) + (part.type == "image")
+                                                                       for part in m.content)
+            for m in query.messages))
     if query.kind == "embed":
         return p.Answer(query.request_id, embeddings=[[1.0] for _ in query.inputs], prompt_tokens=len(query.inputs))
     return p.Answer(query.request_id, error=f"unknown query kind {query.kind!r}", error_code="invalid_request")
