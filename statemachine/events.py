@@ -59,6 +59,9 @@ class SleepCompleted(Event):
 @dataclass(frozen=True)
 class RequestArrived(Event):
     request_id: str
+    # Ollama's keep_alive, in seconds: None: the policy's idle_seconds; 0: sleep as soon as idle;
+    # > 0: awake at least this long once idle; < 0: never sleep on idle. The latest accepted request's decides.
+    keep_alive: float | None = None
 
 
 @dataclass(frozen=True)

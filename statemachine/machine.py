@@ -86,6 +86,7 @@ class ServerMachine:
         self.consecutive_load_failures = 0
         self.retry_delay = 0.0
         self.idle_generation = 0
+        self.keep_alive: float | None = None  # the latest accepted request's (RequestArrived.keep_alive)
         self.retry_generation = 0
         self.last_event: Event | None = None
 
@@ -104,11 +105,25 @@ class ServerMachine:
 
     # -- helpers -----------------------------------------------------------
 
+    @property
+    def idle_seconds(self) -> float:
+        """How long the model stays awake once idle (< 0: until asked): the
+        policy's, unless the latest accepted request set its own keep_alive."""
+        keep_alive, policy = self.keep_alive, self.policy.idle_seconds
+        if keep_alive is None:
+            return policy
+        if keep_alive == 0:
+            return 0.0
+        if keep_alive < 0 or policy < 0:
+            return -1.0
+        return max(keep_alive, policy)  # "at least that long"
+
     def _arm_idle_if_quiet(self) -> list[Command]:
-        if self.state is not S.READY or self.busy or self.policy.idle_seconds < 0:
+        seconds = self.idle_seconds
+        if self.state is not S.READY or self.busy or seconds < 0:
             return []
         self.idle_generation += 1
-        return [ArmIdleTimer(self.policy.idle_seconds, self.idle_generation)]
+        return [ArmIdleTimer(seconds, self.idle_generation)]
 
     def _disarm_idle(self) -> list[Command]:
         self.idle_generation += 1
@@ -226,6 +241,7 @@ class ServerMachine:
             ]
         if len(self.in_flight) + len(self.waiting) >= self.policy.capacity:
             return [Reject((rid,), f"server busy: {self.policy.capacity} requests already accepted", "queue_full", 1.0)]
+        self.keep_alive = event.keep_alive
         if self.state is S.READY:
             self.in_flight.add(rid)
             return self._disarm_idle() + [Dispatch((rid,))]

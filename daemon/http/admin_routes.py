@@ -70,6 +70,9 @@ async def props(request: web.Request) -> web.Response:
         "total_slots": s.parallel,
         "slots": [_slot(x) for x in c.slots],
         "sleep_idle_seconds": s.sleep_idle_seconds,
+        # The latest accepted request's keep_alive (Ollama's), and the idle time it makes (-1: never).
+        "keep_alive": c.machine.keep_alive,
+        "idle_seconds": c.machine.idle_seconds,
         "idle_timer_remaining": c.idle_deadline(),
         "spawn_ahead": s.spawn_ahead,
         "spare_worker_pid": c.supervisor.spare.pid if c.supervisor.spare else None,

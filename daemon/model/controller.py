@@ -188,18 +188,20 @@ class Controller:
             self._fail(request_id, JobFailure(503, "shutting_down", "server is shutting down"))
         self.stopped.set()
 
-    def new_job(self, endpoint: str, params: p.SamplingParams, prompt=None, messages=None, tools=(), n: int = 1,
-                cache_prompt: bool = True) -> Job:
-        """A generation: answered by Tokens (of n choices), then one Done."""
-        submit = p.Submit(_request_id(endpoint), params, prompt=prompt, messages=messages, tools=list(tools), n=n,
-                          cache_prompt=cache_prompt)
-        return self._accept(Job(submit, endpoint))
+    def new_job(self, endpoint: str, params: p.SamplingParams, tools=(), keep_alive: float | None = None,
+                **fields) -> Job:
+        """A generation: answered by Tokens (of n choices), then one Done.
+        `fields` are p.Submit's (prompt or messages, n, cache_prompt, ...).
+        keep_alive: how long the model stays awake once idle after it
+        (statemachine.events.RequestArrived); None: sleep_idle_seconds."""
+        submit = p.Submit(_request_id(endpoint), params, tools=list(tools), **fields)
+        return self._accept(Job(submit, endpoint, keep_alive=keep_alive))
 
-    def new_query(self, endpoint: str, kind: str, **fields) -> Job:
+    def new_query(self, endpoint: str, kind: str, keep_alive: float | None = None, **fields) -> Job:
         """One-step work on the loaded model (tokenize, detokenize,
-        apply_template, embed), answered by one Answer. It wakes the model and
-        waits its turn like a generation: the state machine sees a request."""
-        return self._accept(Job(p.Query(_request_id(endpoint), kind, **fields), endpoint))
+        apply_template, count_chat, embed), answered by one Answer. It wakes the
+        model and waits its turn like a generation: the state machine sees a request."""
+        return self._accept(Job(p.Query(_request_id(endpoint), kind, **fields), endpoint, keep_alive=keep_alive))
 
     def _accept(self, job: Job) -> Job:
         request_id = job.id
@@ -216,7 +218,7 @@ class Controller:
         if self.holding:
             return self._hold(job)
         self.jobs[request_id] = job
-        self.post(RequestArrived(request_id))
+        self.post(RequestArrived(request_id, job.keep_alive))
         return job
 
     def _hold(self, job: Job) -> Job:
@@ -240,7 +242,7 @@ class Controller:
         while self.held:
             request_id, job = self.held.popitem(last=False)
             job.cold = job.cold or self.state is not ServerState.READY
-            self.post(RequestArrived(request_id))
+            self.post(RequestArrived(request_id, job.keep_alive))
 
     def abandon(self, job: Job) -> None:
         """The client is gone or gave up: free its place, wherever it is."""

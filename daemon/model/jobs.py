@@ -24,6 +24,7 @@ Item = p.Tokens | p.Done | p.Answer | JobFailure
 class Job:
     submit: p.Submit | p.Query  # a generation, or one-step work answered by one p.Answer
     endpoint: str
+    keep_alive: float | None = None  # how long the model stays awake after it (statemachine RequestArrived)
     accepted_at: float = field(default_factory=time.monotonic)
     cold: bool = False  # arrived while no worker was ready: its first token paid for a load
     dispatched: bool = False

@@ -312,3 +312,42 @@ def test_a_lazy_model_starts_asleep_and_loads_on_its_first_request():
     m = ServerMachine(Policy())
     assert m.handle(Started(load=False)) == [] and m.state is S.SLEEPING
     assert kinds(m.handle(RequestArrived("r"))) == [StartWorker] and m.state is S.WAKING
+
+
+# -- keep_alive (Ollama's): the latest accepted request's decides how long the model stays awake once idle --
+
+def _ready_machine(idle: float) -> ServerMachine:
+    m = ServerMachine(Policy(idle_seconds=idle))
+    m.handle(Started())
+    m.handle(WorkerReady(1, {}))
+    return m
+
+
+def _finish(m: ServerMachine, rid: str, keep_alive) -> list:
+    m.handle(RequestArrived(rid, keep_alive))
+    return m.handle(RequestFinished(rid, ok=True))
+
+
+@pytest.mark.parametrize("idle, keep_alive, armed", [
+    (300, None, 300), (300, 0, 0), (300, 10, 300), (300, 900, 900), (300, -1, None),
+    (-1, None, None), (-1, 0, 0), (-1, 60, None), (0.5, 2.5, 2.5),
+])
+def test_keep_alive_sets_the_idle_timer(idle, keep_alive, armed):
+    commands = _finish(_ready_machine(idle), "r1", keep_alive)
+    timers = [c for c in commands if isinstance(c, ArmIdleTimer)]
+    assert [t.seconds for t in timers] == ([] if armed is None else [armed])
+
+
+def test_the_latest_accepted_request_decides_and_a_rejected_one_does_not():
+    m = ServerMachine(Policy(idle_seconds=300, parallel=1, max_queued=0))
+    m.handle(Started())
+    m.handle(WorkerReady(1, {}))
+    m.handle(RequestArrived("r1", 0))
+    refused = m.handle(RequestArrived("r2", -1))  # over capacity: rejected, its keep_alive ignored
+    assert any(isinstance(c, Reject) for c in refused)
+    assert m.keep_alive == 0
+    timers = [c for c in m.handle(RequestFinished("r1", ok=True)) if isinstance(c, ArmIdleTimer)]
+    assert [t.seconds for t in timers] == [0]
+    # The next request without keep_alive goes back to the policy.
+    timers = [c for c in _finish(m, "r3", None) if isinstance(c, ArmIdleTimer)]
+    assert [t.seconds for t in timers] == [300]
