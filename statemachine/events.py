@@ -26,6 +26,9 @@ class WorkerReady(Event):
 @dataclass(frozen=True)
 class WorkerLoadFailed(Event):
     reason: str
+    # The error cannot change by loading again (a chat template that does not compile):
+    # no retry timer; POST /wake (or a restart with another configuration) loads again.
+    permanent: bool = False
 
 
 @dataclass(frozen=True)

@@ -170,11 +170,13 @@ class ServerMachine:
         return commands + self._arm_idle_if_quiet()
 
     def _load_failed(self, event: WorkerLoadFailed | WorkerExited) -> list[Command]:
+        permanent = getattr(event, "permanent", False)
         self.state = S.FAILED
         self.worker_up = False
-        self.failure_reason = event.reason
+        self.failure_reason = event.reason + (" (loading again cannot help: fix the configuration, then restart or "
+                                              "POST /wake)" if permanent else "")
         self.consecutive_load_failures += 1
-        self.retry_delay = min(
+        self.retry_delay = self.policy.retry_max_seconds if permanent else min(
             self.policy.retry_base_seconds * 2 ** (self.consecutive_load_failures - 1),
             self.policy.retry_max_seconds,
         )
@@ -182,8 +184,10 @@ class ServerMachine:
         commands: list[Command] = []
         ids = self._take_waiting()
         if ids:
-            commands.append(Reject(ids, f"model failed to load: {event.reason}", "model_load_failed", self.retry_delay))
-        commands.append(ArmRetryTimer(self.retry_delay, self.retry_generation))
+            commands.append(Reject(ids, f"model failed to load: {self.failure_reason}", "model_load_failed",
+                                   self.retry_delay))
+        if not permanent:
+            commands.append(ArmRetryTimer(self.retry_delay, self.retry_generation))
         return commands
 
     def _not_admitted(self, event: LoadNotAdmitted) -> list[Command]:

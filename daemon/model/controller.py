@@ -78,6 +78,10 @@ POISON_MEMORY = 1024  # fingerprints remembered (least recently struck forgotten
 # before the worker is killed (a hung worker never answers a cancel).
 CANCEL_GRACE_SECONDS = 2.0
 
+# Worker load errors (p.Error.code) that the same configuration always repeats.
+PERMANENT_LOAD_ERRORS = frozenset({"chat_template"})
+
+
 class Controller:
     def __init__(self, settings: Settings, model_path: str, metrics: Metrics, log, model_id: str = "default") -> None:
         self.settings = settings
@@ -410,7 +414,7 @@ class Controller:
             self.log.error("load.failed", reason=str(exc))
             if exc.pid is not None:
                 self._spawn(self._check_memory_returned(exc.pid, "load_failed"))
-            return WorkerLoadFailed(str(exc))
+            return WorkerLoadFailed(str(exc), permanent=exc.code in PERMANENT_LOAD_ERRORS)
         ready = result.ready
         self.last_wake = wake_record(result, reason, time.perf_counter() - start)
         self.last_wake["admission_seconds"] = admitted_after

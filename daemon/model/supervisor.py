@@ -34,9 +34,10 @@ from daemon import protocol as p
 
 
 class LoadFailed(RuntimeError):
-    def __init__(self, message: str, pid: int | None = None) -> None:
+    def __init__(self, message: str, pid: int | None = None, code: str | None = None) -> None:
         super().__init__(message)
         self.pid = pid  # the worker that was started and is gone now, if any
+        self.code = code  # the worker's p.Error code, when it said why
 
 
 @dataclass
@@ -211,7 +212,7 @@ class Supervisor:
             return StartResult(outcome, worker, spawn_seconds, time.perf_counter() - handshake_start, prespawned)
         await self._reap(worker)
         reason = outcome.message if isinstance(outcome, p.Error) else worker.exit_reason()
-        raise LoadFailed(reason, worker.pid)
+        raise LoadFailed(reason, worker.pid, getattr(outcome, "code", None))
 
     async def stop(self, timeout: float) -> StopResult:
         """Ordered teardown, then wait for the process to exit."""

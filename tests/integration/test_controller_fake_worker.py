@@ -70,6 +70,29 @@ async def test_load_error_message_reaches_props(monkeypatch):
         assert "unknown architecture 'foo'" in props["failure"]
 
 
+async def test_a_chat_template_error_is_permanent_until_asked(monkeypatch, tmp_path):
+    """A template that does not compile fails the same way on every load: the model
+    stays failed without reloading in a loop; requests are told why; POST /wake loads again."""
+    counter = tmp_path / "loads"
+    monkeypatch.setenv("FAKE_LOAD_COUNTER", str(counter))
+    monkeypatch.setenv("FAKE_LOAD_ERROR", "chat template: unknown tag 'generation'")
+    monkeypatch.setenv("FAKE_LOAD_ERROR_CODE", "chat_template")
+    async with fake_daemon(retry_max_seconds=0.05) as (controller, client):
+        assert await controller.wait_for(lambda s: s is ServerState.FAILED, 10)
+        # A transient failure would have been retried many times over by now (backoff capped at 0.05 s).
+        for _ in range(20):
+            await asyncio.sleep(0.05)
+        assert counter.read_text().count("\n") == 1
+        response = await complete(client, max_tokens=2)
+        assert response.status == 503
+        assert "chat template" in (await response.json())["error"]["message"]
+        assert counter.read_text().count("\n") == 1  # a request does not reload it either
+        monkeypatch.delenv("FAKE_LOAD_ERROR")  # the operator fixed it
+        assert (await client.post("/wake")).status == 200
+        assert await controller.wait_for(lambda s: s is ServerState.READY, 10)
+        assert counter.read_text().count("\n") == 2
+
+
 async def test_crash_during_generation_fails_in_flight_then_next_request_succeeds(monkeypatch):
     monkeypatch.setenv("FAKE_CRASH_AFTER_TOKENS", "3")
     async with fake_daemon(early_crash_seconds=0) as (controller, client):  # a crash long after the load

@@ -351,3 +351,17 @@ def test_the_latest_accepted_request_decides_and_a_rejected_one_does_not():
     # The next request without keep_alive goes back to the policy.
     timers = [c for c in _finish(m, "r3", None) if isinstance(c, ArmIdleTimer)]
     assert [t.seconds for t in timers] == [300]
+
+
+@pytest.mark.parametrize("permanent", [False, True])
+def test_a_permanent_load_failure_arms_no_retry(permanent):
+    m = ServerMachine(Policy(retry_max_seconds=60))
+    m.handle(Started())
+    commands = m.handle(WorkerLoadFailed("chat template: unknown tag", permanent=permanent))
+    assert m.state is S.FAILED
+    assert any(isinstance(c, ArmRetryTimer) for c in commands) is not permanent
+    refused = m.handle(RequestArrived("r1"))
+    assert [type(c) for c in refused] == [Reject]
+    assert ("loading again cannot help" in refused[0].reason) is permanent
+    assert refused[0].retry_after == (60 if permanent else 1.0)
+    assert isinstance(m.handle(WakeRequested(1))[0], StartWorker)  # the operator may always ask again
