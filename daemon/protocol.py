@@ -300,6 +300,7 @@ class Error(Message):
 
     message: str
     during: str = ""
+    code: str | None = None  # why, for the daemon to act on: "chat_template" (loading again cannot help)
 
 
 ToWorker = Load | Submit | Cancel | Ping | Sleep | Query

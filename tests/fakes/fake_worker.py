@@ -4,6 +4,7 @@ channel) without llama.cpp, for fast tests of the controller.
 Behaviour comes from the environment:
   FAKE_LOAD_SECONDS       time Load takes (default 0.05)
   FAKE_LOAD_ERROR         send Error(message) instead of Ready, exit 3
+  FAKE_LOAD_ERROR_CODE    ... with this code (Error.code)
   FAKE_CRASH_ON_LOAD      die by SIGSEGV during Load
   FAKE_CRASH_AFTER_TOKENS die by SIGKILL after emitting this many tokens in total
   FAKE_TOKEN_SECONDS      time per decode step (default 0.01)
@@ -71,7 +72,8 @@ def main() -> int:
         print("fake worker: crashing during load", file=sys.stderr, flush=True)
         os.kill(os.getpid(), signal.SIGSEGV)
     if os.environ.get("FAKE_LOAD_ERROR"):
-        channel.send(p.Error(os.environ["FAKE_LOAD_ERROR"], during="load"))
+        channel.send(p.Error(os.environ["FAKE_LOAD_ERROR"], during="load",
+                             code=os.environ.get("FAKE_LOAD_ERROR_CODE") or None))
         return 3
     spec = message.spec
     sizes = json.loads(os.environ.get("FAKE_MODEL_SIZES", "{}"))
