@@ -16,11 +16,18 @@ matcher may hold at once), enums and tool names are written as prefix trees
 (literals.py), objects in linear time (objects.py), and the HTTP layer builds
 on a small thread pool with a time bound (off_loop.py), never on the event loop.
 
+build.py composes the steps: tool_calls.py reads `tools` and `tool_choice`,
+schema_walk.py checks and normalizes each JSON Schema (keywords.py: the
+vocabulary, json_values.py: what oneOf's checks ask of values, patterns.py:
+regular expressions, integer_range.py: minimum/maximum on integers), and
+converter.py emits the GBNF; refused.py holds GrammarRefused.
+
 Pure Python: the JSON Schema converter is llama-cpp-python's llama_grammar.py,
 loaded by its path so that the daemon never imports the llama_cpp package
 (whose __init__ loads the llama.cpp shared library).
 """
 
-from daemon.grammar.build import GrammarRefused, grammar_for
+from daemon.grammar.build import grammar_for
+from daemon.grammar.refused import GrammarRefused
 
 __all__ = ["GrammarRefused", "grammar_for"]

@@ -30,6 +30,8 @@ MAX_ENUM_VALUES = 4096  # enum and const values, in all the schemas of one reque
 MAX_LITERAL_BYTES = 128 * 1024  # the JSON spellings of those values, together
 MAX_LIVE_STACKS = 64  # parse stacks the matcher may hold at one point (width.py): ~120 ms per refused step
 BUILD_SECONDS = 2.0  # building one request's grammar, walk and conversion
+MAX_REPEAT = 1000  # one minItems/maxItems/minLength/maxLength or {n,m}: expanded rule by rule
+MAX_REPEAT_TOTAL = 10_000  # all of them in one request, so building stays cheap
 
 
 class LimitExceeded(ValueError):

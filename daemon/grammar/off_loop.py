@@ -8,13 +8,13 @@ it runs on a small thread pool: while a build runs, the loop still gets the
 interpreter every switch interval and keeps answering.
 
 A thread cannot be killed, so the time bound is kept by the build itself: its
-deadline is checked at every schema node (build.py), and a build past it stops
-with a refusal that names the field (a 400). The deadline runs from when the
-request asked, so a build that waited in the queue past it never starts, and
-that one is the server's fault: GrammarBusy, a 503. The pool has MAX_BUILDERS
-threads, and at most MAX_PENDING builds are running or queued; past that a
-request is refused at once, so a crowd of hostile schemas can neither grow
-threads nor a queue.
+deadline is checked at every schema node (schema_walk.py, converter.py), and a
+build past it stops with a refusal that names the field (a 400). The deadline
+runs from when the request asked, so a build that waited in the queue past it
+never starts, and that one is the server's fault: GrammarBusy, a 503. The pool
+has MAX_BUILDERS threads, and at most MAX_PENDING builds are running or queued;
+past that a request is refused at once, so a crowd of hostile schemas can
+neither grow threads nor a queue.
 """
 
 from __future__ import annotations

@@ -28,10 +28,16 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from daemon.grammar.integer_range import integer_range_gbnf
+from daemon.grammar.limits import MAX_LIVE_STACKS
 from daemon.grammar.literals import literal_tree
 from daemon.grammar.objects import names_width
+from daemon.grammar.refused import GrammarRefused
+
+if TYPE_CHECKING:
+    from daemon.grammar.schema_walk import RefTable
 
 ALL_STARTS = frozenset("{[\"-tfn")  # what a JSON value can begin with ("-" stands for every number)
 _FIXED = {"number": 3, "integer": 3, "boolean": 2, "null": 1}  # the converter's primitives
@@ -52,7 +58,7 @@ def literal_width(values: list[Any]) -> int:
 
 
 class WidthEstimate:
-    """The estimate over normalized schemas (what _SchemaWalk returns) and their
+    """The estimate over normalized schemas (what SchemaWalk returns) and their
     $ref table. integer_width(low, high): the alternatives of a ranged integer's
     rule. Stops counting past `limit` (the figure is then limit + 1)."""
 
@@ -232,3 +238,23 @@ def _pattern_width(gbnf: str) -> int:
             count += 1
         i += 1
     return count + 1
+
+
+# -- one request's estimate, and its limit ------------------------------------------------
+
+
+def width_estimate(table: RefTable) -> WidthEstimate:
+    return WidthEstimate(table.schemas, _integer_width, MAX_LIVE_STACKS, table.spending.check_time)
+
+
+def _integer_width(low: int | None, high: int | None) -> int:
+    return integer_range_gbnf(low, high).count("|") + 1
+
+
+def check_width(width: int, param: str) -> None:
+    if width > MAX_LIVE_STACKS:
+        raise GrammarRefused(
+            f"{param}: the grammar would let the output go on in more than {MAX_LIVE_STACKS} ways at one point; "
+            f"llama.cpp's grammar matcher checks the whole vocabulary against each of them at a step, on the thread "
+            "every slot shares. Fewer optional properties in one object, or anyOf alternatives that do not begin "
+            "alike (nested or recursive ones add up), keep it under the limit", param)
