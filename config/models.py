@@ -35,8 +35,31 @@ _UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
 
 # The keys a [models.ID] table may set; the rest of the settings are the daemon's.
 PER_MODEL_KEYS = ("model_draft", "mmproj", "ctx_size", "parallel", "threads", "n_gpu_layers", "batch_size",
-                  "chat_template_file", "draft_max", "draft_min", "draft_p_min", "cpu_repack", "warmup",
-                  "sleep_idle_seconds", "spawn_ahead", "embeddings", "pooling", "cache_deterministic")
+                  "chat_template_file", "chat_template", "draft_max", "draft_min", "draft_p_min", "cpu_repack", "warmup",
+                  "sleep_idle_seconds", "spawn_ahead", "embeddings", "pooling", "cache_deterministic",
+                  "drowsy_after", "deep_after", "load_mode")
+
+# llama.cpp's built-in chat templates, by name (its llama_chat_builtin_templates;
+# tests/unit/test_chat_templates.py checks this copy against the library).
+LLAMA_CPP_CHAT_TEMPLATES = (
+    "bailing", "bailing-think", "bailing2", "chatglm3", "chatglm4", "chatml", "command-r", "deepseek",
+    "deepseek-ocr", "deepseek2", "deepseek3", "exaone-moe", "exaone3", "exaone4", "falcon3", "gemma", "gigachat",
+    "glmedge", "gpt-oss", "granite", "granite-4.0", "granite-4.1", "grok-2", "hunyuan-dense", "hunyuan-moe",
+    "hunyuan-vl", "kimi-k2", "llama2", "llama2-sys", "llama2-sys-bos", "llama2-sys-strip", "llama3", "llama4",
+    "megrez", "minicpm", "mistral-v1", "mistral-v3", "mistral-v3-tekken", "mistral-v7", "mistral-v7-tekken",
+    "monarch", "openchat", "orion", "pangu-embedded", "phi3", "phi4", "rwkv-world", "seed_oss", "smolvlm",
+    "solar-open", "vicuna", "vicuna-orca", "yandex", "zephyr",
+)
+
+
+def check_chat_template(value: Any) -> Any:
+    """--chat-template: one of llama.cpp's built-in template names, or Jinja text."""
+    if value is None or value == "":
+        return None
+    if not isinstance(value, str) or value in LLAMA_CPP_CHAT_TEMPLATES or "{{" in value or "{%" in value:
+        return value  # a non-string is refused by the field's type
+    raise ValueError(f"{value[:40]!r} is neither a Jinja template nor one of llama.cpp's built-in template names: "
+                     + ", ".join(LLAMA_CPP_CHAT_TEMPLATES))
 
 
 def parse_size(value: int | str) -> int:
@@ -74,15 +97,19 @@ class ModelSettings(BaseModel):
     n_gpu_layers: int | None = Field(None, ge=-1, le=100_000)
     batch_size: int | None = Field(None, ge=1, le=65536)
     chat_template_file: Path | None = None
+    chat_template: str | None = None
     draft_max: int | None = Field(None, ge=1, le=1024)
     draft_min: int | None = Field(None, ge=0, le=1024)
     draft_p_min: float | None = Field(None, ge=0.0, le=1.0)
     cpu_repack: bool | None = None
     warmup: bool | None = None
     sleep_idle_seconds: float | None = None
+    drowsy_after: float | None = None
+    deep_after: float | None = None
+    load_mode: Literal["auto", "mmap", "none", "mlock", "mmap+mlock", "direct_io"] | None = None
     spawn_ahead: bool | None = None
     embeddings: bool | None = None
-    pooling: Literal["mean", "cls", "last"] | None = None
+    pooling: Literal["mean", "cls", "last", "rank"] | None = None
     cache_deterministic: bool | None = None
 
     @field_validator("aliases")
@@ -93,7 +120,7 @@ class ModelSettings(BaseModel):
                 raise ValueError(f"alias {alias!r} must be 1-128 letters, digits, '.', '_', ':' or '-'")
         return aliases
 
-    @field_validator("sleep_idle_seconds")
+    @field_validator("sleep_idle_seconds", "drowsy_after", "deep_after")
     @classmethod
     def _idle(cls, value: float | None) -> float | None:
         if value is not None and (not math.isfinite(value) or (value < 0 and value != -1)):
@@ -104,6 +131,11 @@ class ModelSettings(BaseModel):
     @classmethod
     def _empty_path_is_none(cls, value: Any) -> Any:
         return None if value == "" else value
+
+    @field_validator("chat_template", mode="before")
+    @classmethod
+    def _chat_template(cls, value: Any) -> Any:
+        return check_chat_template(value)
 
     def overrides(self) -> dict[str, Any]:
         """The settings this table changes, under the top-level names."""

@@ -27,7 +27,7 @@ from pydantic_settings import (
 ENV_PREFIX = "DORMOUSE_"
 
 
-from config.models import ModelSettings, check_model_ids, parse_size  # noqa: E402
+from config.models import ModelSettings, check_chat_template, check_model_ids, parse_size  # noqa: E402
 
 
 class ConfigError(ValueError):
@@ -92,16 +92,32 @@ class Settings(BaseSettings):
     n_gpu_layers: int = Field(-1, ge=-1, description="layers on the GPU; -1 all")
     batch_size: int = Field(512, ge=1)
     chat_template_file: Path | None = Field(None, description="Jinja chat template overriding the GGUF's")
+    chat_template: str | None = Field(None, description="chat template overriding the GGUF's: Jinja text, or one of "
+                                      "llama.cpp's built-in names (chatml, llama3, gemma, mistral-v7, phi3, ...); "
+                                      "chat_template_file comes first")
     draft_max: int = Field(16, ge=1)
     draft_min: int = Field(0, ge=0)
     draft_p_min: float = Field(0.75, ge=0.0, le=1.0)
     cpu_repack: bool = Field(False, description="repacked CPU weights: batch-size-dependent kernels, so outputs depend on batching")
     warmup: bool = Field(True, description="one decode after a load at start or by POST /wake (a wake for a request skips it: the request warms up)")
     embeddings: bool = Field(False, description="serve /v1/embeddings from this model (a pooled context; it then generates no text)")
-    pooling: Literal["mean", "cls", "last"] = Field("mean", description="how an embeddings model pools its token vectors")
+    pooling: Literal["mean", "cls", "last", "rank"] = Field("mean", description="how an embeddings model pools its token vectors; rank: a reranker's classifier head scores query and document (/v1/rerank)")
 
     # -- sleep --
     sleep_idle_seconds: float = Field(300, description="sleep after this many idle seconds; -1 never")
+    drowsy_after: float = Field(-1, description="the drowsy tier: after this many idle seconds the worker frees its "
+                                "contexts (KV cache, compute buffers) and keeps the weights, so a wake is a context "
+                                "creation (on a GPU the weights stay there: for short pauses); -1 off")
+    deep_after: float = Field(0, description="the light tier: a sleep leaves the GGUF warm in the page cache (the "
+                              "daemon keeps it, the worker is gone) for this many seconds, then nothing is held; "
+                              "0: no light tier, a sleep holds nothing at once (as before); -1: light until woken")
+    keeper_mlock_bytes: int = Field(0, description="bytes of a light model's files locked in RAM by the keeper (an int "
+                                    "or '8GiB'; needs RLIMIT_MEMLOCK or CAP_IPC_LOCK); 0: advised, not locked")
+    keeper_refresh_seconds: float = Field(30, gt=0, le=86400, description="how often the keeper reads back pages the "
+                                          "kernel reclaimed from a light model's files")
+    load_mode: Literal["auto", "mmap", "none", "mlock", "mmap+mlock", "direct_io"] = Field(
+        "auto", description="how the worker reads the weights (llama.cpp's load mode); auto: mmap where every "
+                            "device supports it (measured fastest on CPU, bench/wake_tiers.py)")
     spawn_ahead: bool = Field(True, description="start the next worker (imports only) as soon as one exits")
     wake_timeout: float = Field(120, gt=0, description="how long a request waits for a wake before 503")
     load_timeout: float = Field(600, gt=0, description="how long a load may take before it is failed")
@@ -143,6 +159,15 @@ class Settings(BaseSettings):
         None, description="bytes the models may hold together (an int, or '20GiB'); default: the GPU's total less "
                           "1 GiB, or on CPU 75% of the RAM available at start (dormouse check-config prints it)")
 
+    # -- sampling defaults: for a request that leaves the field out (llama-server's -n, -s, --temp) --
+    n_predict: int | None = Field(
+        None, ge=-1, le=1_000_000,
+        description="tokens a request generates when it names no limit (max_tokens, max_completion_tokens, "
+                    "n_predict); -1: until the end of generation or of the slot's context; none: 256 on the OpenAI "
+                    "routes, -1 on /completion")
+    seed: int = Field(-1, ge=-1, le=2**32 - 1, description="sampling seed of a request that names none; -1: random")
+    temperature: float = Field(0.8, ge=0.0, le=2.0, description="temperature of a request that names none; 0: greedy")
+
     # -- the prompt cache: what it may change --
     cache_deterministic: bool = Field(
         False, description="true: reuse and restore cached prompt tokens only in whole prompt chunks (batch_size) "
@@ -157,6 +182,14 @@ class Settings(BaseSettings):
     kv_cache_disk_bytes: int = Field(
         4 * 2**30, description="bytes of saved prompt caches per model (an int, or '4GiB'); least recently used go "
                                "first; 0 turns saving off")
+    slot_save_path: Path | None = Field(
+        None, description="POST /slots/{id}?action=save|restore writes and reads named prompt-cache files in "
+                          "<slot_save_path>/<model id>/ (llama-server's --slot-save-path); none: those actions are off")
+    prompt_cache_ram_bytes: int = Field(
+        default_factory=lambda: default_prompt_cache_ram(), ge=0, le=2**60,
+        description="bytes of host RAM per model for prompts whose slot went to another prompt (an int, or "
+                    "'2GiB'); least recently used spill to the disk tier; 0 off; default 5% of the machine's RAM, "
+                    "at most 8 GiB (llama-server's --cache-ram)")
 
     # -- scale-out --
     agent_port: int | None = Field(None, ge=1, le=65535,
@@ -179,11 +212,18 @@ class Settings(BaseSettings):
                     "`gen_ai_server_*` histograms); empty: Dormouse's own only. A list, or names separated by commas; "
                     "read at start")
 
-    @field_validator("sleep_idle_seconds")
+    @field_validator("sleep_idle_seconds", "drowsy_after", "deep_after")
     @classmethod
     def _idle(cls, value: float) -> float:
         if not math.isfinite(value) or (value < 0 and value != -1):
             raise ValueError("must be >= 0, or -1 for never")
+        return value
+
+    @field_validator("n_predict")
+    @classmethod
+    def _some_tokens(cls, value: int | None) -> int | None:
+        if value == 0:
+            raise ValueError("0 predicts nothing: give at least 1, or -1 for until the end")
         return value
 
     @field_validator("memory_budget", mode="before")
@@ -191,7 +231,7 @@ class Settings(BaseSettings):
     def _size(cls, value: Any) -> Any:
         return None if value is None or value == "" else parse_size(value)
 
-    @field_validator("kv_cache_disk_bytes", mode="before")
+    @field_validator("kv_cache_disk_bytes", "prompt_cache_ram_bytes", "keeper_mlock_bytes", mode="before")
     @classmethod
     def _disk_size(cls, value: Any) -> Any:
         return 0 if value in (0, "0") else parse_size(value)
@@ -293,6 +333,11 @@ class Settings(BaseSettings):
     def _empty_path_is_none(cls, value: Any) -> Any:
         return None if value == "" else value
 
+    @field_validator("chat_template", mode="before")
+    @classmethod
+    def _chat_template(cls, value: Any) -> Any:
+        return check_chat_template(value)
+
     toml_file: ClassVar[Path | None] = None  # set on a per-load subclass by load_settings
 
     @classmethod
@@ -315,6 +360,15 @@ class Settings(BaseSettings):
         for key in ("api_key", "admin_key", "metrics_key"):
             out[key] = "********" if getattr(self, key) else None
         return out
+
+
+def default_prompt_cache_ram() -> int:
+    """5% of physical RAM, at most 8 GiB (llama-server's --cache-ram default)."""
+    try:
+        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        ram = 16 * 2**30
+    return min(8 * 2**30, ram // 20)
 
 
 def _where(key: str, cli: dict[str, Any], toml_file: Path | None, toml_data: dict[str, Any]) -> str:

@@ -27,16 +27,32 @@ _FLAGS: list[tuple[str, dict[str, Any]]] = [
     ("--n-gpu-layers", {"type": int, "help": "layers to offload to the GPU (-1 all, the default)"}),
     ("--batch-size", {"type": int, "help": "tokens per decode step (default 512)"}),
     ("--chat-template-file", {"help": "Jinja chat template overriding the model's"}),
+    ("--chat-template", {"help": "chat template overriding the model's: Jinja text or one of llama.cpp's built-in "
+                                 "names (chatml, llama3, gemma, mistral-v7, phi3, ...)"}),
+    ("--slot-save-path", {"help": "where POST /slots/{id}?action=save|restore keeps named prompt-cache files "
+                                  "(default: those actions are off)"}),
     ("--embeddings", {"action": "store_true",
                       "help": "serve /v1/embeddings (a pooled context; the model then generates no text)"}),
-    ("--pooling", {"choices": ["mean", "cls", "last"], "help": "how --embeddings pools token vectors (default mean)"}),
+    ("--pooling", {"choices": ["mean", "cls", "last", "rank"],
+                 "help": "how --embeddings pools token vectors (default mean; rank: a reranker, /v1/rerank)"}),
     ("--sleep-idle-seconds", {"type": float, "help": "sleep after this many idle seconds (default 300, -1 never)"}),
+    ("--drowsy-after", {"type": float, "help": "idle seconds before the worker frees its contexts and keeps the "
+                                               "weights (the drowsy tier; default -1: off)"}),
+    ("--deep-after", {"type": float, "help": "seconds a sleeping model's file stays warm in the page cache (the "
+                                             "light tier) before nothing is held (default 0: deep at once; -1: "
+                                             "light until woken)"}),
+    ("--load-mode", {"choices": ["auto", "mmap", "none", "mlock", "mmap+mlock", "direct_io"],
+                     "help": "how the worker reads the weights (default auto: mmap where every device supports it)"}),
     ("--wake-timeout", {"type": float, "help": "how long a request waits for a wake before 503 (default 120)"}),
     ("--max-queued", {"type": int, "help": "requests accepted beyond the slots (default 128)"}),
     ("--api-key", {"help": "Bearer key required on /v1/*"}),
     ("--admin-key", {"help": "Bearer key required on /sleep and /wake"}),
     ("--raw-grammar", {"action": "store_true", "help": "accept llama-server's raw GBNF `grammar` field (trusted clients "
                                                        "only: a grammar can stall every slot)"}),
+    ("--n-predict", {"type": int, "help": "tokens a request generates when it names no limit (-1: until the end; "
+                                          "default: 256 on the OpenAI routes, -1 on /completion)"}),
+    ("--seed", {"type": int, "help": "sampling seed of a request that names none (default -1: random)"}),
+    ("--temp", {"type": float, "dest": "temperature", "help": "temperature of a request that names none (default 0.8)"}),
     ("--log-format", {"choices": ["auto", "console", "json"]}),
     ("--log-level", {"choices": ["debug", "info", "warning", "error"]}),
     ("--shutdown-timeout", {"type": float, "help": "seconds SIGTERM lets in-flight requests finish (default 30)"}),

@@ -185,7 +185,33 @@ class MetricFamilies:
         self.kv_disk_bytes = Gauge("dormouse_kv_cache_disk_bytes", "Bytes of saved prompt caches on disk", M, registry=r)
         self.kv_restore_seconds = Histogram("dormouse_kv_cache_restore_seconds", "Time to restore a saved prompt cache",
                                             M, buckets=LATENCY_BUCKETS, registry=r)
+        # The prompt cache's tiers (daemon/worker/prompt_cache.py): slot, ram, disk.
+        self.prompt_cache_hits = Counter("dormouse_prompt_cache_hits_total",
+                                         "Requests whose cached prompt tokens came from this tier", M + ["tier"], registry=r)
+        self.prompt_cache_restored_tokens = Counter("dormouse_prompt_cache_tokens_total",
+                                                    "Prompt tokens not read again, by the tier they came from",
+                                                    M + ["tier"], registry=r)
+        self.prompt_cache_misses = Counter("dormouse_prompt_cache_misses_total",
+                                           "Requests that looked in every tier and found nothing to keep", M, registry=r)
+        self.prompt_cache_bytes = Gauge("dormouse_prompt_cache_bytes", "Bytes the prompt cache holds, by tier",
+                                        M + ["tier"], registry=r)
+        self.prompt_cache_entries = Gauge("dormouse_prompt_cache_entries", "Prompt prefixes the tier holds",
+                                          M + ["tier"], registry=r)
+        self.prompt_cache_evictions = Counter("dormouse_prompt_cache_evictions_total",
+                                              "Entries dropped to stay within the tier's budget", M + ["tier"], registry=r)
         self.idle_timeout_seconds = Gauge("dormouse_idle_timeout_seconds", "Configured idle sleep timeout (-1: never)", M, registry=r)
+        # The sleep tiers (daemon/model/controller.py): which one, what a wake from it should take, how it went.
+        self.sleep_tier = Gauge("dormouse_sleep_tier", "1 for the sleep tier the model is in (awake: none)",
+                                M + ["tier"], registry=r)
+        self.wake_predicted_seconds = Gauge("dormouse_wake_predicted_seconds",
+                                            "Predicted duration of a wake from the current tier (0 while awake)", M, registry=r)
+        self.wake_prediction_error_seconds = Histogram(
+            "dormouse_wake_prediction_error_seconds", "Measured wake less its prediction, absolute", M + ["tier"],
+            buckets=LATENCY_BUCKETS, registry=r)
+        self.wake_refusals = Counter("dormouse_wake_refusals_total",
+                                     "Requests refused at once: the predicted wake exceeds what they may wait", M, registry=r)
+        self.keeper_bytes = Gauge("dormouse_keeper_bytes", "Bytes of the model's files the light tier's keeper holds "
+                                  "warm in the page cache", M + ["kind"], registry=r)
 
 
 class Metrics:
@@ -206,6 +232,11 @@ class Metrics:
             self.ttft_seconds.labels(start=start)
         for after in ("sleep", "crash", "load_failed"):
             self.memory_not_returned.labels(after=after)
+        for tier in ("slot", "ram", "disk"):
+            self.prompt_cache_hits.labels(tier=tier)
+            self.prompt_cache_restored_tokens.labels(tier=tier)
+        self.prompt_cache: dict[str, dict[str, float]] = {}  # the worker's latest PromptCache.summary (/props)
+        self._evictions_seen: dict[str, float] = {}
 
     def observe_wake(self, record: dict, memory_by_device: dict[str, dict[str, int]]) -> None:
         reason = record["reason"]
@@ -231,7 +262,8 @@ class Metrics:
         self.memory_bytes.clear()
 
     def observe_request(self, done: Done, accepted_at: float, choices: int = 1) -> None:
-        """A generation's end (its protocol Done), for the compatibility exports."""
+        """A generation's end (its protocol Done), for the compatibility exports and the prompt cache's tiers."""
+        self.observe_prompt_cache(done)
         reason = FINISH_REASONS.get(done.finish_reason, "error")
         self.requests_finished.labels(reason=reason).inc()
         if reason == "error":  # refused by the worker (too long, invalid): nothing was computed
@@ -245,9 +277,31 @@ class Metrics:
         waited = time.monotonic() - accepted_at - done.prompt_seconds - done.generation_seconds
         self.request_queue_seconds.observe(max(waited, 0.0))
 
+    def observe_prompt_cache(self, done: Done) -> None:
+        if done.cache_tier in ("slot", "ram", "disk"):
+            self.prompt_cache_hits.labels(tier=done.cache_tier).inc()
+            self.prompt_cache_restored_tokens.labels(tier=done.cache_tier).inc(done.cached_tokens)
+        elif done.kv_lookup == "miss":
+            self.prompt_cache_misses.inc()
+        if not done.prompt_cache:
+            return
+        self.prompt_cache = done.prompt_cache
+        for tier in ("ram", "disk"):
+            held = done.prompt_cache.get(tier, {})
+            self.prompt_cache_bytes.labels(tier=tier).set(held.get("bytes", 0))
+            self.prompt_cache_entries.labels(tier=tier).set(held.get("entries", 0))
+            count = held.get("evictions", 0)  # cumulative in one worker: a new worker starts again from 0
+            seen = self._evictions_seen.get(tier, 0)
+            self.prompt_cache_evictions.labels(tier=tier).inc(count - seen if count >= seen else count)
+            self._evictions_seen[tier] = count
+
     def set_state(self, state: ServerState) -> None:
         for s in ServerState:
             self.state.labels(state=s.value).set(1 if s is state else 0)
+
+    def set_tier(self, tier: str | None) -> None:
+        for name in ("awake", "drowsy", "light", "deep"):
+            self.sleep_tier.labels(tier=name).set(1 if name == (tier or "awake") else 0)
 
     def set_slots(self, states: list[str]) -> None:
         for slot_state in SlotState:

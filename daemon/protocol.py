@@ -58,12 +58,15 @@ class ModelSpec(msgspec.Struct, omit_defaults=True):
     draft_p_min: float = 0.75
     warmup: bool = True
     cpu_repack: bool = False
+    load_mode: str = "auto"  # auto, mmap, none, mlock, mmap+mlock, direct_io: llama.cpp's llama_load_mode
     seed: int = -1
     kv_dir: str | None = None  # where this model's prompt caches are saved at sleep; None: not saved
     kv_min_tokens: int = 256  # shorter prefixes are not worth a file
     kv_disk_bytes: int = 0  # the files' budget; least recently used go first
+    prompt_cache_ram_bytes: int = 0  # the host-RAM tier of the prompt cache (worker/prompt_cache.py); 0: off
+    slot_dir: str | None = None  # POST /slots/{id}?action=save|restore: the named files' directory; None: off
     embeddings: bool = False  # an embeddings model: a pooled context, no generation
-    pooling: str = "mean"  # mean, cls or last (with embeddings)
+    pooling: str = "mean"  # mean, cls, last, or rank (a reranker's classifier head) (with embeddings)
     cache_deterministic: bool = False  # True: reuse whole prompt chunks only, the same greedy answer as a fresh read
 
     # What one llama_decode may carry, shared by the worker (which sizes its
@@ -103,6 +106,9 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
     ignore_eos: bool = False
     grammar: str | None = None  # GBNF (root rule "root") the output must match; the HTTP layer builds it
     logprobs: int | None = None  # None: none; 0: the chosen token's; K: and the K most likely
+    # llama-server's text keys of logit_bias: the worker tokenizes each text (no special tokens) and biases its tokens.
+    logit_bias_text: list[tuple[str, float]] = []
+    post_sampling_probs: bool = False  # logprobs under the sampler chain's distribution, not the model's own
 
 
 class ChatPart(msgspec.Struct, omit_defaults=True):
@@ -133,6 +139,17 @@ class ChatMessage(msgspec.Struct, omit_defaults=True):
     tool_calls: list[ToolCall] = []  # assistant
     tool_call_id: str | None = None  # tool: the call it answers
     name: str | None = None  # tool: the function's name
+    reasoning_content: str | None = None  # assistant: its thinking, given to templates that read it
+
+
+class Infill(msgspec.Struct, omit_defaults=True):
+    """Fill-in-the-middle (llama-server's /infill, `suffix` on /v1/completions):
+    the worker builds the prompt from the model's FIM tokens (worker/fim.py)."""
+
+    prefix: str = ""  # the text before the gap
+    suffix: str = ""  # the text after it
+    extra: list[tuple[str, str]] = []  # (filename, text): other files, put before the prefix as repository context
+    prompt: str = ""  # what is already typed in the gap (llama-server's `prompt`), after the prefix
 
 
 class Submit(Message):
@@ -143,6 +160,12 @@ class Submit(Message):
     tools: list[Tool] = []  # chat: given to the chat template (or described in a system turn)
     n: int = 1  # choices: the prompt is decoded once and its KV copied to n - 1 more slots
     cache_prompt: bool = True  # False: read the whole prompt, keep nothing cached (llama-server's cache_prompt)
+    infill: Infill | None = None  # set: a fill-in-the-middle prompt (prompt and messages are None)
+    # chat: template variables (llama-server's chat_template_kwargs, e.g. enable_thinking), and how the prompt ends:
+    # with the assistant's turn opened (add_generation_prompt), or the last (assistant) message continued.
+    chat_template_kwargs: dict[str, Any] = {}
+    add_generation_prompt: bool = True
+    continue_final: bool = False
 
 
 class Cancel(Message):
@@ -157,6 +180,15 @@ class Sleep(Message):
     """Tear everything down in order, send a SleepReport, exit."""
 
 
+class Doze(Message):
+    """The drowsy tier: save the prompt caches (as a sleep does), free the contexts and
+    the engine, keep the model, draft model and projector. Answered by DozeReport."""
+
+
+class Rouse(Message):
+    """Create the contexts again after a Doze. Answered by Ready (or Error, then the worker exits)."""
+
+
 class Query(Message):
     """One-step work on the loaded model, answered by an Answer with the same id.
     kind and args:
@@ -165,6 +197,9 @@ class Query(Message):
       apply_template  messages: list[ChatMessage], tools: list[Tool]
       count_chat      messages, tools: Answer.prompt_tokens is what a chat request with them reads (images included)
       embed           inputs: list[str | list[int]]
+      rerank          text: the query, inputs: the documents (a model loaded with pooling = "rank")
+      slot_save, slot_restore, slot_erase
+                      tokens: [slot id], text: the file name; Answer.tokens = [tokens moved, bytes written or read]
     """
 
     request_id: str
@@ -176,6 +211,9 @@ class Query(Message):
     messages: list[ChatMessage] = []
     tools: list[Tool] = []
     inputs: list[str | list[int]] = []
+    chat_template_kwargs: dict[str, Any] = {}  # apply_template, count_chat: as Submit's
+    add_generation_prompt: bool = True
+    continue_final: bool = False
 
 
 # -- worker -> daemon --------------------------------------------------------
@@ -218,7 +256,9 @@ class TopLogprob(msgspec.Struct, array_like=True):
 class TokenLogprob(msgspec.Struct, array_like=True):
     """One generated token: its log-probability under the model's own
     distribution (before temperature and the sampler chain), and the most
-    likely alternatives at that position."""
+    likely alternatives at that position. With
+    SamplingParams.post_sampling_probs: under the distribution the sampler
+    chain drew from (llama-server's post_sampling_probs)."""
 
     token: int
     piece: bytes
@@ -235,6 +275,7 @@ class Tokens(Message):
     logprobs: list[TokenLogprob] = []  # the tokens generated since the last Tokens (SamplingParams.logprobs)
     index: int = 0  # the choice (Submit.n)
     finish_reason: str | None = None  # with n > 1: this choice's last Tokens (stop, length); Done ends the request
+    reasoning_open: bool = False  # a choice's first Tokens: the chat prompt ended inside a thinking block
 
 
 class Done(Message):
@@ -255,6 +296,9 @@ class Done(Message):
     restore_seconds: float = 0.0
     kv_lookup: str = ""  # "hit", "miss" (a saved cache was looked for, none fitted), "" (not looked)
     kv_rejected: str | None = None  # a saved file failed its checks at restore (deleted): why
+    stopping_word: str = ""  # the stop string that ended the answer (finish_reason stop); "": none did
+    cache_tier: str = ""  # where cached_tokens came from: "slot", "ram", "disk"; "": none
+    prompt_cache: dict[str, dict[str, Any]] = {}  # the tiers after this request (PromptCache.summary)
 
 
 class SlotInfo(msgspec.Struct):
@@ -282,6 +326,14 @@ class SleepReport(Message):
     kv_save_errors: int = 0
 
 
+class DozeReport(Message):
+    phases: list[Phase]  # kv_save (if any), draft_context, context: each timed, with the bytes it freed
+    rss_before: int = 0
+    rss_after: int = 0
+    kv_saved_files: int = 0
+    kv_save_errors: int = 0
+
+
 class Answer(Message):
     """The answer to a Query. error set: the query was refused (error_code says why)."""
 
@@ -289,7 +341,7 @@ class Answer(Message):
     tokens: list[int] = []  # tokenize
     pieces: list[bytes] = []  # tokenize with_pieces
     text: str = ""  # detokenize, apply_template
-    embeddings: list[list[float]] = []  # embed, in input order, normalized
+    embeddings: list[list[float]] = []  # embed, in input order, normalized; rerank: each document's classifier outputs (the first is its score)
     prompt_tokens: int = 0  # embed: tokens read; count_chat: tokens the chat prompt takes
     error: str | None = None
     error_code: str | None = None
@@ -303,8 +355,8 @@ class Error(Message):
     code: str | None = None  # why, for the daemon to act on: "chat_template" (loading again cannot help)
 
 
-ToWorker = Load | Submit | Cancel | Ping | Sleep | Query
-ToDaemon = Hello | LoadProgress | Ready | Tokens | Done | SlotStates | Pong | SleepReport | Error | Answer
+ToWorker = Load | Submit | Cancel | Ping | Sleep | Query | Doze | Rouse
+ToDaemon = Hello | LoadProgress | Ready | Tokens | Done | SlotStates | Pong | SleepReport | Error | Answer | DozeReport
 
 _encoder = msgspec.msgpack.Encoder()
 _to_worker = msgspec.msgpack.Decoder(ToWorker)

@@ -195,6 +195,12 @@ async def serve(settings: Settings, plans: list[ModelPlan], reload_settings: Cal
     return code
 
 
+def _per_model(table, fresh: Settings, key: str) -> float:
+    """A [models.ID] table's value for key where it sets one, else the daemon's."""
+    value = getattr(table, key, None) if table is not None else None
+    return getattr(fresh, key) if value is None else value
+
+
 def _reload(fleet: Fleet, notifier: Notifier, reload_settings: Callable[[], Settings], log) -> None:
     notifier.reloading()
     try:
@@ -207,13 +213,16 @@ def _reload(fleet: Fleet, notifier: Notifier, reload_settings: Callable[[], Sett
     applied = {}
     for model in fleet.models.values():
         table = fresh.models.get(model.id)
-        idle = table.sleep_idle_seconds if table and table.sleep_idle_seconds is not None else fresh.sleep_idle_seconds
+        tiers = {key: _per_model(table, fresh, key) for key in ("sleep_idle_seconds", "drowsy_after", "deep_after")}
+        idle = tiers["sleep_idle_seconds"]
         controller = model.controller
-        controller.settings = controller.settings.model_copy(update={"sleep_idle_seconds": idle, "log_level": fresh.log_level})
+        controller.settings = controller.settings.model_copy(update={**tiers, "log_level": fresh.log_level})
         controller.metrics.idle_timeout_seconds.set(idle)
-        controller.post(PolicyChanged(dataclasses.replace(controller.machine.policy, idle_seconds=idle)))
-        applied[model.id] = idle
-    log.info("reload.done", sleep_idle_seconds=applied, log_level=fresh.log_level)
+        controller.post(PolicyChanged(dataclasses.replace(
+            controller.machine.policy, idle_seconds=idle, drowsy_seconds=tiers["drowsy_after"],
+            deep_after_seconds=tiers["deep_after"])))
+        applied[model.id] = tiers
+    log.info("reload.done", sleep_tiers=applied, log_level=fresh.log_level)
     notifier.ready(fleet_status(fleet))
 
 

@@ -14,7 +14,9 @@ from aiohttp import web
 from daemon.fleet.owner import FleetModel
 from daemon.http.errors import ApiError
 from daemon.http.keys import FLEET, METRICS, SETTINGS, model_for, no_room
-from statemachine import ServerState, SleepRequested, WakeRequested
+from daemon.http.llama_routes import default_generation_settings
+from daemon.protocol import SlotInfo
+from statemachine import TIERS, ServerState, SleepRequested, WakeRequested
 
 
 async def model_param(request: web.Request, required: bool = False) -> FleetModel | None:
@@ -40,11 +42,26 @@ async def model_param(request: web.Request, required: bool = False) -> FleetMode
     return model_for(request, name)
 
 
+async def tier_param(request: web.Request) -> str | None:
+    """POST /sleep's tier (`?tier=` or `{"tier": ...}`): drowsy, light or deep; none: the model's own."""
+    tier = request.query.get("tier")
+    if tier is None and request.method == "POST":
+        raw = await request.read()
+        if raw.strip():
+            body = msgspec.json.decode(raw)  # model_param has already refused a body that is not a JSON object
+            tier = body.get("tier") if isinstance(body, dict) else None
+    if tier is not None and (not isinstance(tier, str) or tier not in TIERS):
+        shown = repr(tier)[:40]
+        raise ApiError(400, f"tier: must be one of {', '.join(TIERS)} (got {shown})", "invalid_value", param="tier")
+    return tier
+
+
 async def health(request: web.Request) -> web.Response:
     """One answer for the process: the default model's, with every model's state beside it."""
     fleet = request.app[FLEET]
     controller = fleet.default_model.controller
-    body: dict = {"status": "ok" if controller.healthy else "unavailable", "state": str(controller.state)}
+    body: dict = {"status": "ok" if controller.healthy else "unavailable", "state": str(controller.state),
+                  "tier": controller.machine.tier if controller.state is not ServerState.READY else None}
     if controller.state is ServerState.FAILED:
         body["error"] = controller.machine.failure_reason
     if len(fleet.models) > 1:
@@ -68,7 +85,9 @@ async def props(request: web.Request) -> web.Response:
         "n_ctx": s.ctx_size,
         "n_ctx_slot": c.n_ctx_slot or None,
         "total_slots": s.parallel,
-        "slots": [_slot(x) for x in c.slots],
+        "slots": _slots(c),
+        # llama-server's: what a /completion that sends no sampling field gets (the server's defaults).
+        "default_generation_settings": default_generation_settings(s, c.n_ctx_slot or s.ctx_size // s.parallel),
         "sleep_idle_seconds": s.sleep_idle_seconds,
         # The latest accepted request's keep_alive (Ollama's), and the idle time it makes (-1: never).
         "keep_alive": c.machine.keep_alive,
@@ -81,59 +100,68 @@ async def props(request: web.Request) -> web.Response:
         "last_wake": c.last_wake,
         "last_sleep": c.last_sleep,
         "last_memory_check": c.last_memory_check,
-        "kv_cache": {**c.kv_saved, "min_tokens": s.kv_cache_min_tokens, "disk_budget_bytes": s.kv_cache_disk_bytes},
+        **c.tier_props(),  # tier, sleep_tiers, wake_prediction, wake_history, keeper, last_doze
+        "kv_cache": {**c.kv_saved, "min_tokens": s.kv_cache_min_tokens, "disk_budget_bytes": s.kv_cache_disk_bytes,
+                     "ram_budget_bytes": s.prompt_cache_ram_bytes,
+                     # Per tier (slot, ram, disk) as the worker last said: hits, tokens, bytes, entries, evictions.
+                     "tiers": c.metrics.prompt_cache if c.slots else {}},  # the RAM tier lives in the worker
         "fleet": {"budget_bytes": fleet.budget, "planned_bytes": fleet.planned_bytes(), "admission": fleet.admitting,
                   "models": [fleet.describe(m) for m in fleet.models.values()]},
     })
 
 
-def _slot(info) -> dict:
-    return {"id": info.id, "state": info.state, "request_id": info.request_id, "n_cached": info.n_cached}
+def _slots(c) -> list[dict]:
+    """Each slot as the worker last said, with llama-server's fields beside the state (n_ctx,
+    speculative, is_processing). Asleep (or not loaded yet): the slots exist on paper, idle and empty."""
+    infos = c.slots or [SlotInfo(i, "idle") for i in range(c.settings.parallel)]
+    n_ctx = c.n_ctx_slot or c.settings.ctx_size // c.settings.parallel
+    speculative = c.settings.model_draft is not None
+    return [{"id": x.id, "state": x.state, "request_id": x.request_id, "n_cached": x.n_cached, "n_ctx": n_ctx,
+             "speculative": speculative, "is_processing": x.state != "idle"} for x in infos]
 
 
 async def slots(request: web.Request) -> web.Response:
     c = (await model_param(request) or request.app[FLEET].default_model).controller
-    if c.slots:
-        return web.json_response([_slot(x) for x in c.slots])
-    # Asleep (or not loaded yet): the slots exist on paper, all idle and empty.
-    return web.json_response([{"id": i, "state": "idle", "request_id": None, "n_cached": 0}
-                              for i in range(c.settings.parallel)])
+    return web.json_response(_slots(c))
 
 
 async def metrics(request: web.Request) -> web.Response:
     for controller in request.app[FLEET].controllers:
         controller.sample_worker_memory()  # read at scrape time; never wakes anything
+        controller.tier_gauges()  # the predicted wake as of now (the page cache moves without a transition)
     # metrics_compat: the names other tools read (daemon/metrics_compat.py); none: Dormouse's own only.
     body, content_type = request.app[METRICS].render(request.app[SETTINGS].metrics_compat)
     return web.Response(body=body, headers={"Content-Type": content_type})
 
 
-async def _sleep_one(request: web.Request, model: FleetModel) -> dict:
+async def _sleep_one(request: web.Request, model: FleetModel, tier: str | None = None) -> dict:
     controller = model.controller
-    ok, message = await controller.admin(SleepRequested)
+    ok, message = await controller.admin(SleepRequested, tier=tier)
     if not ok:
         raise ApiError(409, f"model {model.id}: {message}", "cannot_sleep")
-    await controller.wait_for(lambda s: s is not ServerState.UNLOADING, request.app[SETTINGS].shutdown_timeout + 10)
+    await controller.wait_for(lambda s: s not in (ServerState.UNLOADING, ServerState.DOZING),
+                              request.app[SETTINGS].shutdown_timeout + 10)
     return {"ok": True, "model": model.id, "message": message, "state": str(controller.state),
-            "last_sleep": controller.last_sleep}
+            "tier": controller.machine.tier, "last_sleep": controller.last_sleep}
 
 
 async def sleep(request: web.Request) -> web.Response:
     """One model to sleep (409 while it serves), or without a model every idle one."""
     fleet = request.app[FLEET]
     model = await model_param(request)
+    tier = await tier_param(request)
     if model is not None or len(fleet.models) == 1:
-        return web.json_response(await _sleep_one(request, model or fleet.default_model))
+        return web.json_response(await _sleep_one(request, model or fleet.default_model, tier))
     answers = {}
     for m in fleet.models.values():
         try:
-            answers[m.id] = await _sleep_one(request, m)
+            answers[m.id] = await _sleep_one(request, m, tier)
         except ApiError as exc:  # busy: it keeps serving
             answers[m.id] = {"ok": False, "model": m.id, "message": exc.message, "state": str(m.controller.state)}
     return web.json_response({"ok": all(a["ok"] for a in answers.values()), "models": answers})
 
 
-async def _wake_one(request: web.Request, model: FleetModel) -> web.Response:
+async def _wake_one(request: web.Request, model: FleetModel) -> dict:
     controller = model.controller
     began = time.monotonic()
     ok, message = await controller.admin(WakeRequested)
@@ -141,7 +169,8 @@ async def _wake_one(request: web.Request, model: FleetModel) -> web.Response:
         raise ApiError(409, f"model {model.id}: {message}", "cannot_wake")
     wake_timeout = request.app[SETTINGS].wake_timeout
     # Settled: ready, failed, stopping, or asleep again (the fleet did not admit the load).
-    await controller.wait_for(lambda s: s not in (ServerState.WAKING, ServerState.LOADING, ServerState.UNLOADING),
+    await controller.wait_for(lambda s: s not in (ServerState.WAKING, ServerState.LOADING, ServerState.UNLOADING,
+                                                  ServerState.DOZING, ServerState.ROUSING),
                               wake_timeout)
     state = controller.state
     if state is ServerState.FAILED:
@@ -158,22 +187,22 @@ async def _wake_one(request: web.Request, model: FleetModel) -> web.Response:
     if state is not ServerState.READY:  # the wake goes on; this caller stops waiting for it
         raise ApiError(503, f"the model did not become ready within {wake_timeout:g}s (wake_timeout); it is still "
                        f"{state} and the wake goes on", "wake_timeout", retry_after=5)
-    return web.json_response({"ok": True, "model": model.id, "message": message, "state": str(state),
-                              "last_wake": controller.last_wake})
+    return {"ok": True, "model": model.id, "message": message, "state": str(state), "last_wake": controller.last_wake}
 
 
 async def wake(request: web.Request) -> web.Response:
-    return await _wake_one(request, await model_param(request) or request.app[FLEET].default_model)
+    return web.json_response(await _wake_one(request, await model_param(request) or request.app[FLEET].default_model))
 
 
 async def load_model(request: web.Request) -> web.Response:
-    """llama-server router's POST /models/load {"model": ID}: wake it (through the fleet's admission)."""
-    return await _wake_one(request, await model_param(request, required=True))
+    """llama-server router's POST /models/load {"model": ID}: wake it (through the fleet's admission);
+    its answer {"success": true} beside Dormouse's."""
+    return web.json_response({"success": True, **await _wake_one(request, await model_param(request, required=True))})
 
 
 async def unload_model(request: web.Request) -> web.Response:
     """llama-server router's POST /models/unload {"model": ID}: put it to sleep (409 while it serves)."""
-    return web.json_response(await _sleep_one(request, await model_param(request, required=True)))
+    return web.json_response({"success": True, **await _sleep_one(request, await model_param(request, required=True))})
 
 
 async def openapi(request: web.Request) -> web.Response:
@@ -185,6 +214,7 @@ async def openapi(request: web.Request) -> web.Response:
 def add_routes(app: web.Application) -> None:
     app.router.add_get("/openapi.json", openapi)
     app.router.add_get("/health", health)
+    app.router.add_get("/v1/health", health)  # llama-server's alias
     app.router.add_get("/props", props)
     app.router.add_get("/slots", slots)
     app.router.add_get("/metrics", metrics)

@@ -16,6 +16,7 @@ is about that model on this replica:
 | awake, free slot    | up 100%        | up 0%         | up 0%         | up 100%  |
 | awake, busy         | up 0%          | up 0%         | up 0%         | up 100%  |
 | loading or waking   | up 0%          | up 100%       | up 0%         | up 100%  |
+| drowsy (sleep tier) | up 0%          | up 100%       | up 0%         | up 100%  |
 | asleep              | up 0%          | up 0%         | up 100%       | up 100%  |
 | stopping / draining | up 0%          | up 0%         | up 0%         | up 0%    |
 | failed              | down           | down          | down          | down     |
@@ -59,6 +60,10 @@ after it restarts unless every later reply said "ready", and "ready" would
 undo an operator's own `set server ... state maint` at the next check. A
 weight of 0 has the same effect on new requests (the stats page shows it as
 DRAIN) and the next process's first reply replaces it.
+
+A model in the drowsy or light sleep tier says so after the weight, as
+HAProxy's agent description (shown on its stats page): "up 100% #drowsy",
+"up 0% #light". The deep tier is plain "asleep" and has no tag.
 """
 
 from __future__ import annotations
@@ -89,16 +94,18 @@ TIER_HOLD_SECONDS = 1.0
 WARMTH = {WAKE: 0, WARM: 1, SERVE: 2}
 
 _WARMING = (ServerState.STARTING, ServerState.LOADING, ServerState.WAKING)
+_DROWSY = (ServerState.DOZING, ServerState.DROWSY, ServerState.ROUSING)
 
 
 @dataclass(frozen=True)
 class ReplicaSnapshot:
     """What the agent answers from: for one model, or for the process over its models."""
 
-    state: str  # stopping, ready, waking (a load under way), asleep (sleeping or unloading), failed
+    state: str  # stopping, ready, waking (a load under way, or drowsy), asleep (sleeping or unloading), failed
     free_slots: int  # slots not serving a request (over the ready models, for the process)
     # model id -> that model's snapshot; empty for one model's own snapshot
     models: tuple[tuple[str, "ReplicaSnapshot"], ...] = ()
+    tier: str | None = None  # drowsy or light: said after the weight as HAProxy's description ("up 100% #drowsy")
 
     def model(self, name: str) -> "ReplicaSnapshot | None":
         """This model's snapshot; None when the replica does not serve it."""
@@ -125,7 +132,12 @@ def model_snapshot(controller) -> ReplicaSnapshot:
         return ReplicaSnapshot("failed", 0)  # failed, or retrying a load that failed: down until ready
     if state in _WARMING:
         return ReplicaSnapshot("waking", 0)
-    return ReplicaSnapshot("asleep", 0)
+    if state in _DROWSY:
+        # A wake here is a context creation (tenths of a second): this replica is to be
+        # preferred over waking a sleeping one, as a load under way is (the warm tier).
+        return ReplicaSnapshot("waking", 0, tier="drowsy")
+    light = state is ServerState.LIGHT_SLEEP or (state is ServerState.UNLOADING and getattr(machine, "tier", None) == "light")
+    return ReplicaSnapshot("asleep", 0, tier="light" if light else None)
 
 
 def snapshot_of(controllers: Iterable) -> ReplicaSnapshot:
@@ -138,11 +150,13 @@ def snapshot_of(controllers: Iterable) -> ReplicaSnapshot:
     ready = [snapshot for _, snapshot in models if snapshot.state == "ready"]
     if ready:
         return ReplicaSnapshot("ready", sum(s.free_slots for s in ready), models)
+    # A process of one model says that model's sleep tier too (a plain agent-check names no model).
+    tier = models[0][1].tier if len(models) == 1 else None
     if "waking" in states:
-        return ReplicaSnapshot("waking", 0, models)
+        return ReplicaSnapshot("waking", 0, models, tier)
     if states and all(s == "failed" for s in states):
         return ReplicaSnapshot("failed", 0, models)
-    return ReplicaSnapshot("asleep", 0, models)
+    return ReplicaSnapshot("asleep", 0, models, tier)
 
 
 def tier_of(snapshot: ReplicaSnapshot | None) -> str | None:
@@ -221,7 +235,10 @@ class Agent:
                 self._held.pop(key, None)  # colder, or out of every tier: at once
         until = self._held.get(key, {}).get(question.role)
         if answer == OFF and until is not None and now < until:
-            return FULL
+            answer = FULL
+        sleep_tier = getattr(snapshot, "tier", None)
+        if sleep_tier and answer != DOWN:  # the stats page's agent description names the tier
+            answer = f"{answer.rstrip()} #{sleep_tier}\n"
         return answer
 
     async def answer(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:

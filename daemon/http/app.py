@@ -170,6 +170,11 @@ def _check_content_type(request: web.Request) -> None:
     if request.path in ADMIN_PATHS and not request.body_exists and (
             declared is None or request.content_type == "application/octet-stream"):
         return
+    # Ollama's clients (LiteLLM's ollama_chat/) send their JSON with no Content-Type at all. Browsers send
+    # Origin on every cross-origin POST (refused above unless cors_origins lists it), so a POST with neither
+    # header comes from no web page.
+    if declared is None and request.path.startswith("/api/") and "Origin" not in request.headers:
+        return
     if declared is None or request.content_type.lower() != JSON:
         shown = "no Content-Type" if declared is None else f"Content-Type {request.content_type!r}"
         raise ApiError(415, f"{shown}: send the body as 'Content-Type: application/json'", "unsupported_media_type")
@@ -264,8 +269,12 @@ def build_app(fleet: Fleet, settings: Settings, metrics: MetricFamilies, log) ->
     from daemon.http import (admin_routes, anthropic_messages, infill, llama_routes, ollama_api, openai_routes, rerank,
                              responses, slot_files, ui)
 
-    app = web.Application(middlewares=[errors_and_access], client_max_size=settings.max_body_bytes)
+    from daemon.http.cold_start import cold_start_headers, max_wait_header
+
+    # max_wait_header inside errors_and_access: a bad X-Dormouse-Max-Wait gets the dialect's 400.
+    app = web.Application(middlewares=[errors_and_access, max_wait_header], client_max_size=settings.max_body_bytes)
     app.on_response_prepare.append(_cors_headers)
+    app.on_response_prepare.append(cold_start_headers)
     app[FLEET] = fleet
     app[SETTINGS] = settings
     app[METRICS] = metrics

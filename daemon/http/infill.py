@@ -1,9 +1,135 @@
-"""llama-server's fill-in-the-middle (/infill): not built yet (issue 17/18); its routes are added here."""
+"""llama-server's fill-in-the-middle endpoint, /infill, as editor plugins
+(llama.vim, llama.vscode) call it: input_prefix, input_suffix, input_extra
+(other files' chunks), prompt (what is already typed in the gap), n_predict,
+stream, cache_prompt and /completion's sampling fields. The answer is
+/completion's (its shapes and its stream are llama_routes'), and
+`response_fields` picks from it as llama-server does ("timings/prompt_n"
+-> {"timings/prompt_n": ...}).
+
+The worker builds the prompt from the model's FIM tokens (worker/fim.py); a
+model without them answers 400. Fields llama-server takes and Dormouse does
+not act on (samplers, n_indent, t_max_prompt_ms, t_max_predict_ms, id_slot)
+are accepted and ignored, as on /completion: the plugins always send them.
+`lora` (an adapter llama.vscode sends when configured with one) is refused by
+name: Dormouse loads no adapters, and the base model's answer would ignore it.
+"""
 
 from __future__ import annotations
 
+from typing import Annotated, Any
+
+import msgspec
 from aiohttp import web
+from pydantic import Field, field_validator
+
+from daemon import protocol as p
+from daemon.http.errors import ApiError
+from daemon.http.llama_routes import (_n_predict, _native_end, _native_error, _native_probs, _native_stream,
+                                      generation_settings)
+from daemon.http.openai_routes import _first_item, _is_failure, generation_model, parse_body, structured_grammar, tracked
+from daemon.http.schemas import NativeCompletionRequest, RequestModel, _at_most
+
+MAX_EXTRA_CHUNKS = 1024  # llama.vim sends its ring of 16 (up to 64) chunks
+MAX_FILENAME_CHARS = 4096  # a path
+MAX_RESPONSE_FIELDS = 64
+MAX_FIELD_PATH_CHARS = 256
+
+
+class ExtraChunk(RequestModel):
+    """One chunk of another file: its text and where it comes from (llama.vim also sends `time`, ignored)."""
+
+    filename: Annotated[str, Field(max_length=MAX_FILENAME_CHARS)] = "tmp"
+    text: str
+
+
+class InfillRequest(NativeCompletionRequest):
+    input_prefix: str = Field(description="the text before the gap")
+    input_suffix: str = Field(description="the text after the gap (may be empty)")
+    input_extra: Annotated[list[ExtraChunk], Field(max_length=MAX_EXTRA_CHUNKS)] = Field(
+        default_factory=list, description="chunks of other files, read before the prefix as repository context")
+    prompt: str = Field("", description="what is already typed in the gap: read after the prefix")
+    response_fields: Annotated[list[Annotated[str, Field(max_length=MAX_FIELD_PATH_CHARS)]],
+                               Field(max_length=MAX_RESPONSE_FIELDS)] | None = Field(
+        None, description='the answer\'s fields to return, "a/b" for nested ones (llama-server\'s)')
+    lora: list[Any] | None = Field(None, description="not supported: Dormouse loads no LoRA adapters (an empty "
+                                                     "list, no adapter, is accepted)")
+
+    @field_validator("lora", mode="before")
+    @classmethod
+    def _no_lora(cls, value: Any) -> Any:
+        # llama.vscode sends lora when its user configured an adapter: answering with the base model would
+        # ignore it silently, so it is refused by name (DESIGN: a field Dormouse does not support is a 400).
+        if value is not None and value != []:
+            raise ValueError("Dormouse loads no LoRA adapters: leave lora out, or send it empty")
+        return value
+
+    @field_validator("input_extra", mode="before")
+    @classmethod
+    def _chunk_count(cls, value: Any) -> Any:
+        return _at_most(value, MAX_EXTRA_CHUNKS, "input_extra chunks")
+
+    @field_validator("response_fields", mode="before")
+    @classmethod
+    def _field_count(cls, value: Any) -> Any:
+        return _at_most(value, MAX_RESPONSE_FIELDS, "response_fields")
+
+    def to_protocol(self) -> p.Infill:
+        return p.Infill(self.input_prefix, self.input_suffix, [(c.filename, c.text) for c in self.input_extra],
+                        self.prompt)
+
+
+def pick_fields(answer: dict, paths: list[str]) -> dict:
+    """llama-server's json_get_nested_values: each path that exists, under its own name."""
+    picked = {}
+    for path in paths:
+        value: Any = answer
+        for key in path.split("/"):
+            if not isinstance(value, dict) or key not in value:
+                break
+            value = value[key]
+        else:
+            picked[path] = value
+    return picked
+
+
+async def infill(request: web.Request) -> web.StreamResponse:
+    """/completion's flow (llama_routes.completion), with a FIM prompt the worker builds."""
+    body = await parse_body(request, InfillRequest)
+    grammar = await structured_grammar(request, body)
+    model = generation_model(request, body)
+    settings = model.controller.settings
+    if body.n > 1:
+        raise ApiError(400, "n: /infill answers one completion (its answer has no choices)", "invalid_value", param="n")
+    n_predict = _n_predict(body, settings)
+    if n_predict == 0:
+        raise ApiError(400, "n_predict: 0 predicts nothing", "invalid_value", param="n_predict")
+    logprobs = body.n_probs if body.n_probs else 0 if body.return_tokens else None
+    post_sampling = body.post_sampling_probs and body.n_probs > 0
+    # -1: until the end of generation or of the slot's context (the worker stops there).
+    params = body.sampling(n_predict if n_predict > 0 else settings.ctx_size, grammar, logprobs, defaults=settings)
+    params = msgspec.structs.replace(params, post_sampling_probs=post_sampling)
+    job = model.controller.new_job("infill", params, infill=body.to_protocol(), cache_prompt=body.cache_prompt)
+    end = {"generation_settings": generation_settings(params, n_predict, body.stream, body.n_probs, post_sampling)}
+    async with tracked(request, model, job, body.stream):
+        item = await _first_item(request, model, job)
+        if _is_failure(item):
+            raise _native_error(item, body, model)
+        if body.stream:  # as /completion streams (response_fields pick from a whole answer only)
+            return await _native_stream(request, job, model.id, item, body, end)
+        parts, probs = [], []
+        while isinstance(item, p.Tokens):
+            parts.append(item.text)
+            probs.extend(item.logprobs)
+            item = await job.next(None)
+        if _is_failure(item):
+            raise _native_error(item, body, model)
+        content = "".join(parts)
+        answer = {"index": 0, "content": content, "tokens": [e.token for e in probs] if body.return_tokens else [],
+                  **_native_end(item, model.id), **end, "has_new_line": "\n" in content}
+        if body.n_probs:
+            answer["completion_probabilities"] = _native_probs(probs, post_sampling)
+        return web.json_response(pick_fields(answer, body.response_fields) if body.response_fields else answer)
 
 
 def add_routes(app: web.Application) -> None:
-    pass
+    app.router.add_post("/infill", infill)

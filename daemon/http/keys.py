@@ -16,6 +16,7 @@ METRICS = web.AppKey("metrics", MetricFamilies)
 LOG = web.AppKey("log", object)
 
 LOGGED = web.RequestKey("logged", bool)  # set by run_job, which writes the request's log line itself
+JOB = web.RequestKey("job", object)  # the request's job (daemon.model.jobs.Job), for the cold-start headers
 
 
 def no_room(request: web.Request, model: FleetModel, since: float) -> ApiError | None:

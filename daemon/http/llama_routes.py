@@ -1,6 +1,7 @@
 """llama-server's extras, in its request and response shapes: /tokenize,
-/detokenize, /apply-template and the native /completion; and OpenAI's
-/v1/embeddings.
+/detokenize, /apply-template and the native /completion (its `tokens`,
+`generation_settings`, post-sampling probabilities and its context-overflow
+error); and OpenAI's /v1/embeddings (and /embeddings).
 
 Tokenizing, templates and embeddings need the loaded model, so each is a
 query to the worker (protocol.Query): it wakes a sleeping model and waits its
@@ -11,6 +12,8 @@ field names and another answer.
 from __future__ import annotations
 
 import base64
+import math
+import re
 import struct
 
 import msgspec
@@ -23,7 +26,7 @@ from daemon.http.keys import model_for
 from daemon.http.openai_routes import (CLIENT_ERRORS, _failure_error, _first_item, _is_failure, generation_model,
                                        open_event_stream, parse_body, structured_grammar, tracked)
 from daemon.http.schemas import (ApplyTemplateRequest, DetokenizeRequest, EmbeddingsRequest, ImageRefused,
-                                 NativeCompletionRequest, TokenizeRequest)
+                                 NativeCompletionRequest, SamplingFields, TokenizeRequest)
 from daemon.http.shapes import piece_text, timings
 from daemon.model.jobs import Job, JobFailure
 
@@ -75,7 +78,7 @@ async def apply_template(request: web.Request) -> web.Response:
         raise ApiError(400, str(exc), exc.code, param="messages") from None
     model = model_for(request, body.model)
     job = model.controller.new_query("apply-template", "apply_template", messages=messages,
-                                     tools=[t.to_protocol() for t in body.tools or ()])
+                                     tools=[t.to_protocol() for t in body.tools or ()], **body.template_args())
     answer = await run_query(request, model, job)
     return web.json_response({"prompt": answer.text})
 
@@ -107,6 +110,76 @@ async def embeddings(request: web.Request) -> web.Response:
 # -- the native /completion --------------------------------------------------------
 
 _STOP_TYPES = {"stop": "eos", "length": "limit"}
+# The sampler chain's order (daemon/worker/sampling.py), in llama-server's names; temperature 0 is greedy.
+_SAMPLERS = ["penalties", "top_k", "top_p", "min_p", "temperature"]
+
+
+def generation_settings(params: p.SamplingParams, n_predict: int, stream: bool = False, n_probs: int = 0,
+                        post_sampling_probs: bool = False) -> dict:
+    """llama-server's generation settings (its /props default_generation_settings.params and
+    /completion's generation_settings), with the fields Dormouse honours; seed -1: random."""
+    return {"seed": -1 if params.seed is None else params.seed, "temperature": params.temperature,
+            "top_k": params.top_k, "top_p": params.top_p, "min_p": params.min_p,
+            "repeat_last_n": params.repeat_last_n, "repeat_penalty": params.repeat_penalty,
+            "presence_penalty": params.presence_penalty, "frequency_penalty": params.frequency_penalty,
+            "max_tokens": n_predict, "n_predict": n_predict, "ignore_eos": params.ignore_eos, "stream": stream,
+            "n_probs": n_probs, "post_sampling_probs": post_sampling_probs, "stop": list(params.stop),
+            "logit_bias": [{"bias": b if math.isfinite(b) else False, "token": t}
+                           for t, b in params.logit_bias.items()],
+            "samplers": _SAMPLERS}
+
+
+def default_generation_settings(settings, n_ctx_slot: int) -> dict:
+    """What a /completion that sends no sampling field gets, as /props shows it."""
+    n_predict = -1 if settings.n_predict is None else settings.n_predict
+    return {"params": generation_settings(SamplingFields().sampling(n_predict, defaults=settings), n_predict),
+            "n_ctx": n_ctx_slot}
+
+
+def _n_predict(body: NativeCompletionRequest, settings) -> int:
+    """The request's n_predict (or its alias max_tokens), else the server's; -1: until the end."""
+    if "n_predict" in body.model_fields_set:
+        return body.n_predict
+    if body.max_tokens is not None:
+        return body.max_tokens
+    return -1 if settings.n_predict is None else settings.n_predict
+
+
+class ContextExceeded(ApiError):
+    """llama-server's answer to a prompt its slot cannot hold: type
+    exceed_context_size_error, the status as its code, and the two counts
+    (clients read them to trim the prompt)."""
+
+    def __init__(self, n_prompt_tokens: int, n_ctx: int, at_least: bool) -> None:
+        shown = f"more than {n_prompt_tokens - 1}" if at_least else str(n_prompt_tokens)
+        super().__init__(400, f"request ({shown} tokens) exceeds the available context size ({n_ctx} tokens), try "
+                              "increasing it (ctx_size / parallel)", "context_length_exceeded", param="prompt")
+        self.n_prompt_tokens = n_prompt_tokens
+        self.n_ctx = n_ctx
+
+    def body(self, dialect="openai") -> dict:
+        return {"error": {"code": self.status, "message": self.message, "type": "exceed_context_size_error",
+                          "n_prompt_tokens": self.n_prompt_tokens, "n_ctx": self.n_ctx}}
+
+
+# The worker's overflow messages (engine.py): "prompt has N tokens; ..." or, when it
+# stopped counting early (a text far longer than the context), "has more than N tokens".
+_OVERFLOW = re.compile(r"has (more than )?(\d+) tokens; the context of a slot holds (\d+)")
+
+
+def _native_error(item, body: NativeCompletionRequest, model: FleetModel) -> ApiError:
+    error = _failure_error(item)
+    if error.code != "context_length_exceeded":
+        return error
+    c = model.controller
+    n_ctx = c.n_ctx_slot or c.settings.ctx_size // c.settings.parallel
+    found = _OVERFLOW.search(getattr(item, "error", None) or "")
+    if found:
+        counted = int(found.group(2))
+        return ContextExceeded(counted + 1 if found.group(1) else counted, int(found.group(3)), bool(found.group(1)))
+    if isinstance(body.prompt, list):
+        return ContextExceeded(len(body.prompt), n_ctx, False)
+    return ContextExceeded(n_ctx + 1, n_ctx, True)  # the worker said it overflows, not by how much
 
 
 async def completion(request: web.Request) -> web.StreamResponse:
@@ -118,57 +191,78 @@ async def completion(request: web.Request) -> web.StreamResponse:
     if body.n > 1:
         raise ApiError(400, "n: /completion answers one completion (its answer has no choices); use /v1/completions",
                        "invalid_value", param="n")
-    # -1: until the end of generation or of the slot's context (the worker stops there).
-    n_predict = body.n_predict if body.n_predict >= 0 else settings.ctx_size
+    n_predict = _n_predict(body, settings)
     if n_predict == 0:
         raise ApiError(400, "n_predict: 0 predicts nothing; use /tokenize to count a prompt's tokens", "invalid_value",
                        param="n_predict")
-    params = body.sampling(n_predict, grammar, body.n_probs or None)
+    # Token ids come with the logprobs entries: return_tokens alone asks for the chosen token's only.
+    logprobs = body.n_probs if body.n_probs else 0 if body.return_tokens else None
+    post_sampling = body.post_sampling_probs and body.n_probs > 0
+    # -1: until the end of generation or of the slot's context (the worker stops there).
+    params = body.sampling(n_predict if n_predict > 0 else settings.ctx_size, grammar, logprobs, defaults=settings)
+    params = msgspec.structs.replace(params, post_sampling_probs=post_sampling)
     job = model.controller.new_job("completion", params, prompt=body.prompt, cache_prompt=body.cache_prompt)
+    end = {"generation_settings": generation_settings(params, n_predict, body.stream, body.n_probs, post_sampling)}
     async with tracked(request, model, job, body.stream):
         item = await _first_item(request, model, job)
         if _is_failure(item):
-            raise _failure_error(item)
+            raise _native_error(item, body, model)
         if body.stream:
-            return await _native_stream(request, job, model.id, item, body.n_probs)
+            return await _native_stream(request, job, model.id, item, body, end)
         parts, probs = [], []
         while isinstance(item, p.Tokens):
             parts.append(item.text)
             probs.extend(item.logprobs)
             item = await job.next(None)
         if _is_failure(item):
-            raise _failure_error(item)
-        return web.json_response({"content": "".join(parts), **_native_end(item, model.id),
-                                  **({"completion_probabilities": _native_probs(probs)} if body.n_probs else {})})
+            raise _native_error(item, body, model)
+        content = "".join(parts)
+        answer = {"index": 0, "content": content, "tokens": [e.token for e in probs] if body.return_tokens else [],
+                  **_native_end(item, model.id), **end, "has_new_line": "\n" in content}
+        if body.n_probs:
+            answer["completion_probabilities"] = _native_probs(probs, post_sampling)
+        return web.json_response(answer)
 
 
 def _native_end(done: p.Done, model: str) -> dict:
-    return {"stop": True, "model": model, "stop_type": _STOP_TYPES.get(done.finish_reason, done.finish_reason),
+    stop_type = "word" if done.stopping_word else _STOP_TYPES.get(done.finish_reason, done.finish_reason)
+    return {"stop": True, "model": model, "stop_type": stop_type, "stopping_word": done.stopping_word,
             "tokens_predicted": done.completion_tokens, "tokens_evaluated": done.prompt_tokens,
             "tokens_cached": done.cached_tokens, "truncated": False, "timings": timings(done)}
 
 
-def _native_probs(entries: list[p.TokenLogprob]) -> list[dict]:
+def _native_probs(entries: list[p.TokenLogprob], post_sampling: bool = False) -> list[dict]:
+    """llama-server's completion_probabilities: log-probabilities of the model's
+    own distribution, or (post_sampling_probs) probabilities of the one the
+    sampler chain drew from, under its other names (prob, top_probs)."""
+    if post_sampling:
+        return [{"id": e.token, "token": piece_text(e.piece), "bytes": list(e.piece), "prob": math.exp(e.logprob),
+                 "top_probs": [{"id": t.token, "token": piece_text(t.piece), "bytes": list(t.piece),
+                                "prob": math.exp(t.logprob)} for t in e.top]} for e in entries]
     return [{"id": e.token, "token": piece_text(e.piece), "bytes": list(e.piece), "logprob": e.logprob,
              "top_logprobs": [{"id": t.token, "token": piece_text(t.piece), "bytes": list(t.piece), "logprob": t.logprob}
                               for t in e.top]} for e in entries]
 
 
-async def _native_stream(request: web.Request, job: Job, model: str, item, n_probs: int) -> web.StreamResponse:
+async def _native_stream(request: web.Request, job: Job, model: str, item, body: NativeCompletionRequest,
+                         end: dict) -> web.StreamResponse:
     """As llama-server streams /completion: `data: {...}` lines, the last with stop: true (no [DONE])."""
     response = await open_event_stream(request, job)
     encode = msgspec.json.encode
+    post_sampling = end["generation_settings"]["post_sampling_probs"]
     while isinstance(item, p.Tokens):
         if item.text or item.logprobs:
-            chunk = {"content": item.text, "stop": False}
-            if n_probs:
-                chunk["completion_probabilities"] = _native_probs(item.logprobs)
+            chunk = {"index": 0, "content": item.text, "stop": False,
+                     "tokens": [e.token for e in item.logprobs] if body.return_tokens else []}
+            if body.n_probs:
+                chunk["completion_probabilities"] = _native_probs(item.logprobs, post_sampling)
             await response.write(b"data: " + encode(chunk) + b"\n\n")
         item = await job.next(None)
     if _is_failure(item):
         await response.write(b"data: " + encode(_failure_error(item).body()) + b"\n\n")
     else:
-        await response.write(b"data: " + encode({"content": "", **_native_end(item, model)}) + b"\n\n")
+        final = {"index": 0, "content": "", "tokens": [], **_native_end(item, model), **end}
+        await response.write(b"data: " + encode(final) + b"\n\n")
     await response.write_eof()
     return response
 
@@ -179,3 +273,4 @@ def add_routes(app: web.Application) -> None:
     app.router.add_post("/apply-template", apply_template)
     app.router.add_post("/completion", completion)
     app.router.add_post("/v1/embeddings", embeddings)
+    app.router.add_post("/embeddings", embeddings)  # llama-server's unversioned alias

@@ -23,13 +23,14 @@ from pydantic import BaseModel, ValidationError
 from daemon import protocol as p
 from daemon.http.errors import ApiError
 from daemon.fleet.owner import FleetModel
-from daemon.http.keys import FLEET, LOG, LOGGED, SETTINGS, model_for, no_room
+from daemon.http.keys import FLEET, JOB, LOG, LOGGED, SETTINGS, model_for, no_room
 from daemon.model.jobs import Job, JobFailure
 from daemon.http.schemas import (BodyError, ChatCompletionRequest, CompletionRequest, ImageRefused, SamplingFields,
                                   decode_body, field_name)
-from daemon.http.shapes import ChatShape, CompletionShape, _Shape
+from daemon.http.shapes import ChatShape, CompletionShape, _Shape, system_fingerprint
 from daemon.tools.forced_stream import ForcedCallStream
 from daemon.tools.parse import ToolCallStream, forced_calls, new_call_id, parse_tool_calls, stream_deltas
+from daemon.tools.reasoning import ReasoningMode, ReasoningStream
 
 
 async def parse_body(request: web.Request, model: type[BaseModel]) -> BaseModel:
@@ -76,8 +77,9 @@ def _is_failure(item) -> bool:
 
 async def _first_item(request: web.Request, model: FleetModel, job: Job):
     settings = request.app[SETTINGS]
+    max_wait = getattr(job, "max_wait", None) if job.cold else None  # X-Dormouse-Max-Wait: a wake's wait only
     try:
-        return await job.next(settings.wake_timeout)
+        return await job.next(settings.wake_timeout if max_wait is None else min(max_wait, settings.wake_timeout))
     except TimeoutError:
         refused = no_room(request, model, since=job.accepted_at)
         if refused is not None:  # the wake never started: the fleet had no room for it
@@ -93,8 +95,10 @@ class Choice:
         self.parts: list[str] = []
         self.logprobs: list[p.TokenLogprob] = []
         self.finish_reason: str | None = None  # from its last Tokens (n > 1) or the Done
+        self.reasoning_open = False  # the prompt left a thinking block open (its first Tokens says)
 
     def add(self, tokens: p.Tokens) -> None:
+        self.reasoning_open = self.reasoning_open or tokens.reasoning_open
         self.parts.append(tokens.text)
         self.logprobs.extend(tokens.logprobs)
         if tokens.finish_reason is not None:
@@ -134,14 +138,15 @@ def tool_calls_out(calls) -> list[dict]:
 
 
 async def run_job(request: web.Request, model: FleetModel, job: Job, shape: _Shape, stream: bool,
-                  include_usage: bool, tools: ToolMode | None = None) -> web.StreamResponse:
-    """tools: the output may hold tool calls (chat with tools)."""
+                  include_usage: bool, tools: ToolMode | None = None, reasoning: str | None = None) -> web.StreamResponse:
+    """tools: the output may hold tool calls (chat with tools). reasoning: a
+    chat's reasoning_format (daemon/tools/reasoning.py); None: no thinking read out."""
     async with tracked(request, model, job, stream):
         item = await _first_item(request, model, job)
         if _is_failure(item):
             raise _failure_error(item)
         if stream:
-            return await _stream(request, job, shape, item, include_usage, tools)
+            return await _stream(request, job, shape, item, include_usage, tools, reasoning)
         choices = [Choice() for _ in range(job.submit.n)]
         while isinstance(item, p.Tokens):
             choices[item.index].add(item)
@@ -151,11 +156,14 @@ async def run_job(request: web.Request, model: FleetModel, job: Job, shape: _Sha
         out = []
         for index, choice in enumerate(choices):
             reason = choice.finish_reason or item.finish_reason
+            text, thinking = choice.text, {}
+            if reasoning is not None:  # the thinking first: tool calls are read from the rest
+                thinking["reasoning"], text = ReasoningMode(reasoning, choice.reasoning_open).split(text)
             if tools is not None:
-                content, calls, reason = tools.calls(choice.text, reason)
-                out.append(shape.choice(index, content, reason, choice.logprobs, tool_calls_out(calls) or None))
+                content, calls, reason = tools.calls(text, reason)
+                out.append(shape.choice(index, content, reason, choice.logprobs, tool_calls_out(calls) or None, **thinking))
             else:
-                out.append(shape.choice(index, choice.text, reason, choice.logprobs))
+                out.append(shape.choice(index, text, reason, choice.logprobs, **thinking))
         return web.json_response(shape.final(out, item))
 
 
@@ -166,6 +174,7 @@ async def tracked(request: web.Request, model: FleetModel, job: Job, stream: boo
     client left) and the request gets its one log line and its metrics."""
     structlog.contextvars.bind_contextvars(request_id=job.id)
     request[LOGGED] = True  # the line below, with the job's timings
+    request[JOB] = job  # the cold-start headers (daemon/http/cold_start.py)
     status, code = 200, None
     try:
         yield
@@ -201,9 +210,13 @@ class StreamedChoice:
     call (auto), or a forced call's deltas as its arguments are generated,
     and the logprobs of that text."""
 
-    def __init__(self, index: int, tools: ToolMode | None) -> None:
+    def __init__(self, index: int, tools: ToolMode | None, reasoning: str | None = None) -> None:
         self.index = index
         self.tools = tools
+        # Thinking streamed apart (delta.reasoning_content) with these formats; made at the first Tokens.
+        self.reads_reasoning = reasoning in ("auto", "deepseek")
+        self.reasoning: ReasoningStream | None = None
+        self.thinking: list[str] = []  # thinking not yet sent
         forced = tools is not None and tools.forced
         self.calls = ToolCallStream(tools.names) if tools is not None and not forced else None
         self.forced = ForcedCallStream(tools.names, new_call_id, most=None if tools.parallel else 1) if forced else None
@@ -213,14 +226,36 @@ class StreamedChoice:
         self.reason: str | None = None  # from its last Tokens (n > 1)
 
     def feed(self, tokens: p.Tokens) -> tuple[str, list[list[dict]]]:
-        """(content safe to stream now, `delta.tool_calls` lists to stream now)."""
+        """(content safe to stream now, `delta.tool_calls` lists to stream now);
+        thinking, if read apart, waits in take_thinking()."""
         self.pending.extend(tokens.logprobs)
+        text = tokens.text
+        if self.reads_reasoning:
+            if self.reasoning is None:
+                self.reasoning = ReasoningStream(tokens.reasoning_open)
+            thinking, text = self.reasoning.feed(text)
+            self.thinking.append(thinking)
+        return self._content(text)
+
+    def _content(self, text: str) -> tuple[str, list[list[dict]]]:
         if self.tools is None:
-            return tokens.text, []
-        self.text.append(tokens.text)
+            return text, []
+        self.text.append(text)
         if self.forced is not None:
-            return "", self.forced.feed(tokens.text)
-        return self.calls.feed(tokens.text), []
+            return "", self.forced.feed(text)
+        return self.calls.feed(text), []
+
+    def end_reasoning(self) -> tuple[str, list[list[dict]]]:
+        """At the end: what the thinking held back (its tail waits in take_thinking()), as feed."""
+        if self.reasoning is None:
+            return "", []
+        thinking, text = self.reasoning.finish()
+        self.thinking.append(thinking)
+        return self._content(text) if text else ("", [])
+
+    def take_thinking(self) -> str:
+        taken, self.thinking = "".join(self.thinking), []
+        return taken
 
     def take_logprobs(self) -> list[p.TokenLogprob]:
         taken, self.pending = self.pending, []
@@ -228,7 +263,7 @@ class StreamedChoice:
 
 
 async def _stream(request: web.Request, job: Job, shape: _Shape, item, include_usage: bool,
-                  tools: ToolMode | None) -> web.StreamResponse:
+                  tools: ToolMode | None, reasoning: str | None = None) -> web.StreamResponse:
     response = await open_event_stream(request, job)
 
     async def send(body: dict) -> None:
@@ -237,6 +272,7 @@ async def _stream(request: web.Request, job: Job, shape: _Shape, item, include_u
     async def finish(choice: StreamedChoice, reason: str, done: p.Done | None) -> None:
         """The choice's held-back text, its tool calls as OpenAI streams them, its finish_reason."""
         choice.finished = True
+        await send_pieces(choice, *choice.end_reasoning())
         if choice.tools is not None:
             rest_content, found, reason = choice.tools.calls("".join(choice.text), reason)
             if choice.forced is not None:  # never content; its calls went out as they were generated
@@ -251,18 +287,25 @@ async def _stream(request: web.Request, job: Job, shape: _Shape, item, include_u
                 await send(shape.chunk(None, tool_calls=deltas, index=choice.index))
         await send(shape.last_chunk(reason, done, index=choice.index))
 
-    choices = [StreamedChoice(i, tools) for i in range(job.submit.n)]
+    async def send_pieces(choice: StreamedChoice, text: str, call_deltas: list[list[dict]]) -> None:
+        """What feed let out: thinking first, then content (with the logprobs so far), then call deltas."""
+        thinking = choice.take_thinking()
+        if thinking:
+            await send(shape.chunk(None, choice.take_logprobs() if choice.tools is None else (), index=choice.index,
+                                   reasoning=thinking))
+        if text or (choice.pending and choice.tools is None):
+            await send(shape.chunk(text, choice.take_logprobs(), index=choice.index))
+        for deltas in call_deltas:  # a forced call's arguments, as they are generated
+            await send(shape.chunk(None, tool_calls=deltas, index=choice.index))
+
+    choices = [StreamedChoice(i, tools, reasoning) for i in range(job.submit.n)]
     for choice in choices:
         first = shape.first_chunk(index=choice.index)
         if first is not None:
             await send(first)
     while isinstance(item, p.Tokens):
         choice = choices[item.index]
-        text, call_deltas = choice.feed(item)
-        if text or (choice.pending and choice.tools is None):
-            await send(shape.chunk(text, choice.take_logprobs(), index=choice.index))
-        for deltas in call_deltas:  # a forced call's arguments, as they are generated
-            await send(shape.chunk(None, tool_calls=deltas, index=choice.index))
+        await send_pieces(choice, *choice.feed(item))
         if item.finish_reason is not None:  # with n > 1, each choice ends on its own ...
             choice.reason = item.finish_reason
             if sum(not c.finished for c in choices) > 1:
@@ -334,13 +377,29 @@ def generation_model(request: web.Request, body: SamplingFields) -> FleetModel:
     return model
 
 
+def default_limit(settings, fallback: int) -> int:
+    """The tokens a request that names no limit generates: the server's
+    n_predict (-1: until the end of generation or of the slot's context, where
+    the worker stops), or without one the dialect's own default."""
+    if settings.n_predict is None:
+        return fallback
+    return settings.ctx_size if settings.n_predict < 0 else settings.n_predict
+
+
 async def completions(request: web.Request) -> web.StreamResponse:
     body = await parse_body(request, CompletionRequest)
     grammar = await structured_grammar(request, body)
     model = generation_model(request, body)
-    params = body.sampling(body.max_tokens, grammar, body.logprobs)
-    job = model.controller.new_job("completions", params, prompt=body.prompt_value(), n=body.n)
-    shape = CompletionShape(f"cmpl-{job.id}", model.id, body.include_usage, logprobs=body.logprobs is not None)
+    settings = model.controller.settings
+    limit = body.max_tokens if "max_tokens" in body.model_fields_set else default_limit(settings, body.max_tokens)
+    params = body.sampling(limit, grammar, body.logprobs, defaults=settings)
+    if body.suffix is not None:  # fill in the middle: the worker builds the prompt from the model's FIM tokens
+        job = model.controller.new_job("completions", params, infill=p.Infill(body.prompt_value(), body.suffix),
+                                       n=body.n)
+    else:
+        job = model.controller.new_job("completions", params, prompt=body.prompt_value(), n=body.n)
+    shape = CompletionShape(f"cmpl-{job.id}", model.id, body.include_usage, logprobs=body.logprobs is not None,
+                            fingerprint=system_fingerprint(model.controller.model_path))
     return await run_job(request, model, job, shape, body.stream, body.include_usage)
 
 
@@ -356,24 +415,40 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
                             "string would cut its JSON", "invalid_value", param="stop")
     grammar = await structured_grammar(request, body, chat=body)
     model = generation_model(request, body)
-    params = body.sampling(body.token_limit, grammar, body.wanted_logprobs)
+    settings = model.controller.settings
+    limit = body.max_completion_tokens or body.max_tokens or default_limit(settings, body.token_limit)
+    params = body.sampling(limit, grammar, body.wanted_logprobs, defaults=settings)
     tools = [t.to_protocol() for t in body.tools or ()] if body.tool_choice != "none" else []
-    job = model.controller.new_job("chat.completions", params, messages=messages, tools=tools, n=body.n)
-    shape = ChatShape(f"chatcmpl-{job.id}", model.id, body.include_usage, logprobs=body.logprobs)
-    return await run_job(request, model, job, shape, body.stream, body.include_usage, tools=tool_mode(body))
+    job = model.controller.new_job("chat.completions", params, messages=messages, tools=tools, n=body.n,
+                                   **body.template_args())
+    shape = ChatShape(f"chatcmpl-{job.id}", model.id, body.include_usage, logprobs=body.logprobs,
+                      fingerprint=system_fingerprint(model.controller.model_path))
+    return await run_job(request, model, job, shape, body.stream, body.include_usage, tools=tool_mode(body),
+                         reasoning=body.reasoning_format)
+
+
+def _model_entry(fleet, model: FleetModel) -> dict:
+    return {"id": model.id, "object": "model", "created": int(model.controller.state_since), "owned_by": "dormouse",
+            **fleet.describe(model), "meta": model.controller.model_info or None}
 
 
 async def models(request: web.Request) -> web.Response:
     """Every configured model with its status (loaded, loading, sleeping,
     unloading, failed), answered from the daemon: it wakes nothing."""
     fleet = request.app[FLEET]
-    return web.json_response({"object": "list", "data": [{
-        "id": model.id, "object": "model", "created": int(model.controller.state_since), "owned_by": "dormouse",
-        **fleet.describe(model), "meta": model.controller.model_info or None,
-    } for model in fleet.models.values()]})
+    return web.json_response({"object": "list", "data": [_model_entry(fleet, m) for m in fleet.models.values()]})
+
+
+async def retrieve_model(request: web.Request) -> web.Response:
+    """OpenAI's GET /v1/models/{id}: one model (by id or alias), as /v1/models lists it; 404 model_not_found."""
+    name = request.match_info["model_id"]
+    return web.json_response(_model_entry(request.app[FLEET], model_for(request, name)))
 
 
 def add_routes(app: web.Application) -> None:
-    app.router.add_post("/v1/completions", completions)
-    app.router.add_post("/v1/chat/completions", chat_completions)
-    app.router.add_get("/v1/models", models)
+    # Each beside its unversioned alias, as llama-server serves them.
+    for prefix in ("/v1", ""):
+        app.router.add_post(f"{prefix}/completions", completions)
+        app.router.add_post(f"{prefix}/chat/completions", chat_completions)
+        app.router.add_get(f"{prefix}/models", models)
+    app.router.add_get("/v1/models/{model_id:.+}", retrieve_model)  # ids may hold '/' (hub-style names)

@@ -1,8 +1,12 @@
 """The daemon's OpenAPI document, built from the same pydantic models that
-validate requests, served at /openapi.json.
+validate requests, served at /openapi.json. Every dialect is in it: OpenAI's
+/v1/* (Chat Completions, Completions, Embeddings, Responses, models) with
+llama-server's unversioned aliases, llama-server's own routes (/completion,
+/infill, /rerank, /slots ...), Anthropic Messages and Ollama's /api/*.
 
 Every path may answer 403 (allowed_hosts; a cross-origin POST), every POST
-415 (a body not declared application/json), and a path behind a key 401."""
+415 (a body not declared application/json), and a path behind a key 401.
+Errors are in the dialect's own shape (Error, AnthropicError, OllamaError)."""
 
 from __future__ import annotations
 
@@ -15,25 +19,30 @@ from daemon import __version__
 from daemon.http.schemas import (ApplyTemplateRequest, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                   EmbeddingsRequest, NativeCompletionRequest, TokenizeRequest)
 
-_ERROR = {"$ref": "#/components/schemas/Error"}
 _JSON = "application/json"
+_NDJSON = "application/x-ndjson"
+_SSE = "text/event-stream"
+_ERRORS = {"openai": "Error", "anthropic": "AnthropicError", "ollama": "OllamaError"}
+_GENERATION_ERRORS = (400, 401, 403, 404, 413, 415, 500, 503)
 
 
-def _error_responses(*codes: int) -> dict[str, Any]:
-    return {str(c): {"description": "error", "content": {_JSON: {"schema": _ERROR}}} for c in codes}
+def _error_responses(*codes: int, dialect: str = "openai") -> dict[str, Any]:
+    schema = {"$ref": f"#/components/schemas/{_ERRORS[dialect]}"}
+    return {str(c): {"description": "error", "content": {_JSON: {"schema": schema}}} for c in codes}
 
 
 def _generation(ref: str, description: str = "the completion (JSON, or SSE when stream is true)",
-                stream: bool = True) -> dict[str, Any]:
+                stream: bool = True, dialect: str = "openai", streamed_as: str = _SSE,
+                errors: tuple[int, ...] = _GENERATION_ERRORS) -> dict[str, Any]:
     content: dict[str, Any] = {_JSON: {"schema": {"type": "object"}}}
     if stream:
-        content["text/event-stream"] = {"schema": {"type": "string"}}
+        content[streamed_as] = {"schema": {"type": "string"}}
     return {
         "post": {
             "requestBody": {"required": True, "content": {_JSON: {"schema": {"$ref": f"#/components/schemas/{ref}"}}}},
             "responses": {
                 "200": {"description": description, "content": content},
-                **_error_responses(400, 401, 403, 404, 413, 415, 500, 503),
+                **_error_responses(*errors, dialect=dialect),
             },
         }
     }
@@ -44,9 +53,9 @@ _MODEL_QUERY = {"name": "model", "in": "query", "required": False, "schema": {"t
 _MODEL_BODY = {"type": "object", "properties": {"model": {"type": "string"}}}
 
 
-def _get(description: str, *errors: int, model: bool = False) -> dict[str, Any]:
+def _get(description: str, *errors: int, model: bool = False, dialect: str = "openai") -> dict[str, Any]:
     operation: dict[str, Any] = {"responses": {"200": {"description": description, "content": {_JSON: {"schema": {}}}},
-                                               **_error_responses(*errors)}}
+                                               **_error_responses(*errors, dialect=dialect)}}
     if model:
         operation["parameters"] = [_MODEL_QUERY]
     return {"get": operation}
@@ -62,13 +71,63 @@ def _admin(required_model: bool) -> dict[str, Any]:
                                    **_error_responses(400, 401, 403, 404, 409, 415, 503)}}}
 
 
+def _health() -> dict[str, Any]:
+    return {"get": {"responses": {"200": {"description": "ok", "content": {_JSON: {"schema": {}}}},
+                                  "503": {"description": "loading or failed", "content": {_JSON: {"schema": {}}}},
+                                  **_error_responses(401, 403)}}}
+
+
+def _slot_action() -> dict[str, Any]:
+    # llama-server's POST /slots/{id}?action=save|restore|erase; erase reads no body.
+    return {"post": {
+        "parameters": [
+            {"name": "id_slot", "in": "path", "required": True, "schema": {"type": "integer", "minimum": 0}},
+            {"name": "action", "in": "query", "required": True,
+             "schema": {"type": "string", "enum": ["save", "restore", "erase"]}},
+            _MODEL_QUERY,
+        ],
+        "requestBody": {"required": False,
+                        "content": {_JSON: {"schema": {"$ref": "#/components/schemas/SlotFileRequest"}}}},
+        "responses": {"200": {"description": "id_slot with n_saved/n_restored (and timings) or n_erased",
+                              "content": {_JSON: {"schema": {"type": "object"}}}},
+                      **_error_responses(400, 401, 403, 404, 409, 415, 501, 503)},
+    }}
+
+
+def _not_served(method: str, digest: bool = False) -> dict[str, Any]:
+    # Ollama's model management: the models come from the configuration, so these answer 501.
+    operation: dict[str, Any] = {"responses": {
+        "501": {"description": "not served: models come from the configuration",
+                "content": {_JSON: {"schema": {"$ref": "#/components/schemas/OllamaError"}}}},
+        **_error_responses(401, 403, 415, dialect="ollama")}}
+    if digest:
+        operation["parameters"] = [{"name": "digest", "in": "path", "required": True, "schema": {"type": "string"}}]
+    if method == "post":
+        operation["requestBody"] = {"required": False, "content": {_JSON: {"schema": {"type": "object"}}}}
+    return {method: operation}
+
+
+def _request_models() -> list[type]:
+    # Imported here: the dialect modules import the routes that serve this document.
+    from daemon.http.anthropic_messages import CountTokensRequest, MessagesRequest
+    from daemon.http.infill import InfillRequest
+    from daemon.http.ollama_api import (OllamaChatRequest, OllamaEmbedRequest, OllamaGenerateRequest,
+                                        OllamaLegacyEmbeddingsRequest)
+    from daemon.http.ollama_models import ShowRequest
+    from daemon.http.rerank import RerankRequest
+    from daemon.http.responses import ResponsesRequest
+    from daemon.http.slot_files import SlotFileRequest
+
+    return [CompletionRequest, ChatCompletionRequest, EmbeddingsRequest, TokenizeRequest, DetokenizeRequest,
+            ApplyTemplateRequest, NativeCompletionRequest, ResponsesRequest, MessagesRequest, CountTokensRequest,
+            OllamaChatRequest, OllamaGenerateRequest, OllamaEmbedRequest, OllamaLegacyEmbeddingsRequest, ShowRequest,
+            InfillRequest, RerankRequest, SlotFileRequest]
+
+
 @cache
 def openapi_document() -> dict[str, Any]:
-    _, schemas = models_json_schema(
-        [(model, "validation") for model in (CompletionRequest, ChatCompletionRequest, EmbeddingsRequest, TokenizeRequest,
-                                             DetokenizeRequest, ApplyTemplateRequest, NativeCompletionRequest)],
-        ref_template="#/components/schemas/{model}",
-    )
+    _, schemas = models_json_schema([(model, "validation") for model in _request_models()],
+                                    ref_template="#/components/schemas/{model}")
     components = schemas.get("$defs", {})
     components["Error"] = {
         "type": "object",
@@ -77,31 +136,93 @@ def openapi_document() -> dict[str, Any]:
                                  "properties": {"message": {"type": "string"}, "type": {"type": "string"},
                                                 "code": {"type": ["string", "null"]}, "param": {"type": ["string", "null"]}}}},
     }
+    components["AnthropicError"] = {
+        "type": "object",
+        "required": ["type", "error"],
+        "properties": {"type": {"const": "error"},
+                       "error": {"type": "object", "required": ["type", "message"],
+                                 "properties": {"type": {"type": "string"}, "message": {"type": "string"}}}},
+    }
+    components["OllamaError"] = {"type": "object", "required": ["error"], "properties": {"error": {"type": "string"}}}
+
+    chat = _generation("ChatCompletionRequest")
+    completions = _generation("CompletionRequest")
+    embeddings = _generation("EmbeddingsRequest", "pooled, normalized embeddings (embeddings models)", False)
+    models = _get("every configured model with its status (loaded, loading, sleeping, unloading, failed)", 401, 403)
+    rerank = _generation("RerankRequest", "documents' relevance scores (a pooling = \"rank\" model)", False)
+    input_tokens = "the prompt tokens the request would read: {\"object\": \"response.input_tokens\", \"input_tokens\"}"
+    paths: dict[str, Any] = {
+        # OpenAI's /v1/*, and llama-server's unversioned aliases of them.
+        "/v1/completions": completions,
+        "/completions": completions,
+        "/v1/chat/completions": chat,
+        "/chat/completions": chat,
+        "/v1/chat/completions/input_tokens": _generation("ChatCompletionRequest", input_tokens, False),
+        "/v1/embeddings": embeddings,
+        "/embeddings": embeddings,
+        "/v1/models": models,
+        "/models": models,
+        "/v1/models/{model_id}": {"get": {
+            "parameters": [{"name": "model_id", "in": "path", "required": True, "schema": {"type": "string"}}],
+            "responses": {"200": {"description": "one model (by id or alias), as /v1/models lists it",
+                                  "content": {_JSON: {"schema": {"type": "object"}}}},
+                          **_error_responses(401, 403, 404)}}},
+        # OpenAI Responses (stateless).
+        "/v1/responses": _generation("ResponsesRequest",
+                                     "a response object (JSON, or its SSE events when stream is true)"),
+        "/v1/responses/input_tokens": _generation("ResponsesRequest", input_tokens, False),
+        # Anthropic Messages.
+        "/v1/messages": _generation("MessagesRequest",
+                                    "a message (JSON, or Anthropic's SSE events when stream is true)",
+                                    dialect="anthropic"),
+        "/v1/messages/count_tokens": _generation("CountTokensRequest", "{\"input_tokens\"}", False,
+                                                 dialect="anthropic"),
+        # llama-server's own routes.
+        "/completion": _generation("NativeCompletionRequest", "llama-server's native completion, with timings"),
+        "/infill": _generation("InfillRequest", "fill-in-the-middle, as /completion answers (a model with FIM tokens)"),
+        "/tokenize": _generation("TokenizeRequest", "token ids (with their pieces when asked)", False),
+        "/detokenize": _generation("DetokenizeRequest", "the text of token ids", False),
+        "/apply-template": _generation("ApplyTemplateRequest", "the prompt the chat template renders", False),
+        "/v1/rerank": rerank,
+        "/rerank": rerank,
+        "/reranking": rerank,
+        "/v1/reranking": rerank,
+        "/health": _health(),
+        "/v1/health": _health(),
+        "/props": _get("a model's properties and the fleet's", 400, 401, 403, 404, model=True),
+        "/slots": _get("a model's slot states", 400, 401, 403, 404, model=True),
+        "/slots/{id_slot}": _slot_action(),
+        "/metrics": {"get": {"responses": {"200": {"description": "Prometheus text",
+                                                    "content": {"text/plain": {"schema": {"type": "string"}}}},
+                                           **_error_responses(401, 403)}}},
+        "/sleep": _admin(False),
+        "/wake": _admin(False),
+        "/models/load": _admin(True),
+        "/models/unload": _admin(True),
+        # Ollama's /api/* (streams are NDJSON; a body may come without a Content-Type).
+        "/api/chat": _generation("OllamaChatRequest", "a chat answer (JSON, or NDJSON lines when stream is true)",
+                                 dialect="ollama", streamed_as=_NDJSON),
+        "/api/generate": _generation("OllamaGenerateRequest",
+                                     "a completion (JSON, or NDJSON lines when stream is true)",
+                                     dialect="ollama", streamed_as=_NDJSON),
+        "/api/embed": _generation("OllamaEmbedRequest", "embeddings (embeddings models)", False, dialect="ollama"),
+        "/api/embeddings": _generation("OllamaLegacyEmbeddingsRequest", "one embedding (embeddings models)", False,
+                                       dialect="ollama"),
+        "/api/show": _generation("ShowRequest", "a model's details, template and GGUF metadata", False,
+                                 dialect="ollama"),
+        "/api/tags": _get("the configured models", 401, 403, dialect="ollama"),
+        "/api/ps": _get("the loaded models, with expires_at from the real idle deadline", 401, 403, dialect="ollama"),
+        "/api/version": _get("Ollama's API version that is spoken", 401, 403, dialect="ollama"),
+        "/api/pull": _not_served("post"),
+        "/api/push": _not_served("post"),
+        "/api/create": _not_served("post"),
+        "/api/copy": _not_served("post"),
+        "/api/delete": _not_served("delete"),
+        "/api/blobs/{digest}": {**_not_served("post", digest=True), **_not_served("head", digest=True)},
+    }
     return {
         "openapi": "3.1.0",
         "info": {"title": "Dormouse", "version": __version__},
-        "paths": {
-            "/v1/completions": _generation("CompletionRequest"),
-            "/v1/chat/completions": _generation("ChatCompletionRequest"),
-            "/v1/embeddings": _generation("EmbeddingsRequest", "pooled, normalized embeddings (embeddings models)", False),
-            "/completion": _generation("NativeCompletionRequest", "llama-server's native completion, with timings"),
-            "/tokenize": _generation("TokenizeRequest", "token ids (with their pieces when asked)", False),
-            "/detokenize": _generation("DetokenizeRequest", "the text of token ids", False),
-            "/apply-template": _generation("ApplyTemplateRequest", "the prompt the chat template renders", False),
-            "/v1/models": _get("every configured model with its status (loaded, loading, sleeping, unloading, failed)",
-                               401, 403),
-            "/health": {"get": {"responses": {"200": {"description": "ok", "content": {_JSON: {"schema": {}}}},
-                                              "503": {"description": "loading or failed", "content": {_JSON: {"schema": {}}}},
-                                              **_error_responses(401, 403)}}},
-            "/props": _get("a model's properties and the fleet's", 400, 401, 403, 404, model=True),
-            "/slots": _get("a model's slot states", 400, 401, 403, 404, model=True),
-            "/metrics": {"get": {"responses": {"200": {"description": "Prometheus text",
-                                                        "content": {"text/plain": {"schema": {"type": "string"}}}},
-                                               **_error_responses(401, 403)}}},
-            "/sleep": _admin(False),
-            "/wake": _admin(False),
-            "/models/load": _admin(True),
-            "/models/unload": _admin(True),
-        },
+        "paths": paths,
         "components": {"schemas": components},
     }

@@ -20,7 +20,7 @@ from functools import cache
 from typing import Annotated, Any, Callable, Literal
 
 import msgspec
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationInfo, field_validator, model_validator
 
 from daemon import protocol as p
 from daemon.http.images import ImageHeaderError, read_header
@@ -29,6 +29,7 @@ INT32_MAX = 2**31 - 1
 MAX_STOPS = 16
 MAX_STOP_CHARS = 512  # the worker matches every stop against held-back text per token
 MAX_LOGIT_BIAS = 1024
+MAX_BIAS_TEXT_CHARS = 256  # a logit_bias key that is text (llama-server's): the worker tokenizes it
 MAX_MESSAGES = 4096
 MAX_CONTENT_PARTS = 1024  # per message
 MAX_PROMPT_TOKENS = 1_048_576  # token ids in one prompt when no ctx_size is given
@@ -36,6 +37,11 @@ MAX_TOOLS = 128
 MAX_TOOL_CALLS = 128  # in one assistant message sent back
 MAX_TOP_LOGPROBS = 20  # as OpenAI's
 MAX_CHOICES = 16  # n; also bounded by the model's slots
+MAX_TEMPLATE_KWARGS = 64  # chat_template_kwargs entries
+MAX_TEMPLATE_KWARG_BYTES = 16384  # one value, as JSON
+MAX_TEMPLATE_KWARG_DEPTH = 16
+# Template variables the server sets itself (daemon/worker/chat.py RESERVED_VARIABLES).
+TEMPLATE_VARIABLES = frozenset({"messages", "tools", "add_generation_prompt", "bos_token", "eos_token"})
 
 # The constraints in the types document the bounds (OpenAPI); the "before"
 # validators below enforce them first, with messages that name the limit.
@@ -49,6 +55,29 @@ def _at_most(value: Any, limit: int, what: str) -> Any:
     if isinstance(value, (list, dict)) and len(value) > limit:
         raise ValueError(f"at most {limit} {what}, got {len(value)}")
     return value
+
+
+def _json_within(value: Any, budget: int, depth: int) -> int:
+    """What is left of `budget` bytes once `value` is written as JSON (roughly:
+    separators counted once); negative once over, which stops the walk early.
+    ValueError when nested deeper than `depth`."""
+    if depth < 0:
+        raise ValueError("nested too deeply")
+    if isinstance(value, dict):
+        budget -= 2
+        for key, item in value.items():
+            budget = _json_within(item, budget - len(str(key)) - 4, depth - 1)
+            if budget < 0:
+                break
+        return budget
+    if isinstance(value, list):
+        budget -= 2
+        for item in value:
+            budget = _json_within(item, budget - 1, depth - 1)
+            if budget < 0:
+                break
+        return budget
+    return budget - len(msgspec.json.encode(value))
 
 
 class BodyError(ValueError):
@@ -92,9 +121,14 @@ def decode_body(raw: bytes, model: type[BaseModel], max_prompt_tokens: int = MAX
 # A count that a string inflates belongs to a value that is invalid anyway.
 
 def _logit_bias_bound(raw: bytes) -> None:
-    entries = raw.count(b":")  # keys are digits, values numbers: one colon per entry
-    if raw.lstrip().startswith(b"{") and entries > MAX_LOGIT_BIAS:
-        raise BodyError(f"logit_bias: at most {MAX_LOGIT_BIAS} entries (token id: bias), got {entries}", "logit_bias")
+    # An object has one colon per entry, a list of pairs one "[" per pair (and
+    # one around them). Text keys may hold either character, so the count is
+    # only trusted far past the limit: up to 16x is decoded and counted exactly.
+    head = raw.lstrip()[:1]
+    entries = raw.count(b":") if head == b"{" else raw.count(b"[") - 1 if head == b"[" else 0
+    if entries > 16 * MAX_LOGIT_BIAS:
+        raise BodyError(f"logit_bias: at most {MAX_LOGIT_BIAS} entries (token id or text: bias), got {entries}",
+                        "logit_bias")
 
 
 def _token_list_bound(raw: bytes, limit: int, name: str = "prompt") -> None:
@@ -104,6 +138,23 @@ def _token_list_bound(raw: bytes, limit: int, name: str = "prompt") -> None:
         items = raw.count(b",") + 1
         if items > limit:
             raise BodyError(f"{name}: at most {limit} {name} token ids (ctx_size), got {items}", name)
+
+
+_SIGNED_NUMBER = re.compile(r"[+-][0-9]+")
+
+
+def _bias_key(key: str) -> bool:
+    """Whether an object key of logit_bias is a token id (True) or text (False); raises for one that is neither."""
+    if key.isascii() and key.isdigit():  # ASCII: str.isdigit() alone also takes '²' and other scripts' digits
+        if len(key) > 10 or int(key) > INT32_MAX:
+            raise ValueError(f"logit_bias keys that are numbers are token ids (0..{INT32_MAX}), got {key[:32]!r}")
+        return True
+    if key.isdigit() or _SIGNED_NUMBER.fullmatch(key):  # a number, but not a token id: neither id nor text
+        raise ValueError(f"logit_bias key {key[:32]!r}: token ids are written in ASCII digits (0..{INT32_MAX}); "
+                         "other keys are text")
+    if not 1 <= len(key) <= MAX_BIAS_TEXT_CHARS:
+        raise ValueError(f"logit_bias text keys have 1 to {MAX_BIAS_TEXT_CHARS} characters, got {len(key)}")
+    return False
 
 
 class RequestModel(BaseModel):
@@ -132,7 +183,7 @@ class SamplingFields(RequestModel):
     top_p: float = Field(0.95, gt=0.0, le=1.0)
     top_k: int = Field(40, ge=0, le=INT32_MAX)
     min_p: float = Field(0.05, ge=0.0, le=1.0)
-    seed: int | None = Field(None, ge=0, le=2**63 - 1)
+    seed: int | None = Field(None, ge=-1, le=2**63 - 1, description="-1: random (llama-server's)")
     stop: Stop = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -140,7 +191,11 @@ class SamplingFields(RequestModel):
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     repeat_penalty: float = Field(1.0, gt=0.0, le=10.0)
     repeat_last_n: int = Field(64, ge=-1, le=INT32_MAX, description="-1: the slot's context")
-    logit_bias: Annotated[dict[str, float], Field(max_length=MAX_LOGIT_BIAS)] | None = None
+    logit_bias: (Annotated[dict[str, float | Literal[False]], Field(max_length=MAX_LOGIT_BIAS)]
+                 | Annotated[list[tuple[TokenId | Annotated[str, Field(min_length=1, max_length=MAX_BIAS_TEXT_CHARS)],
+                                        float | Literal[False]]], Field(max_length=MAX_LOGIT_BIAS)]
+                 | None) = Field(None, description="token id (or, as llama-server, text: its tokens) -> bias in "
+                                                   "[-100, 100], or false to ban it; an object or a list of pairs")
     ignore_eos: bool = False
     n: int = Field(1, ge=1, le=MAX_CHOICES, description="choices from one prompt; at most the model's slots")
     user: str | None = None
@@ -162,33 +217,64 @@ class SamplingFields(RequestModel):
     @field_validator("logit_bias", mode="before")
     @classmethod
     def _logit_bias_size(cls, value: Any) -> Any:
-        return _at_most(value, MAX_LOGIT_BIAS, "logit_bias entries")
+        _at_most(value, MAX_LOGIT_BIAS, "logit_bias entries")
+        pairs = value.items() if isinstance(value, dict) else value if isinstance(value, list) else ()
+        for pair in pairs:
+            if isinstance(value, list) and not (isinstance(pair, list) and len(pair) == 2):
+                raise ValueError("logit_bias as a list holds [token id or text, bias] pairs")
+            key, bias = pair
+            if isinstance(key, bool) or isinstance(bias, bool) and bias:
+                raise ValueError(f"logit_bias for {key!r}: a bias is a number in [-100, 100], or false to ban")
+            if isinstance(value, dict):
+                _bias_key(key)
+        return value
 
     @field_validator("logit_bias")
     @classmethod
-    def _token_ids(cls, value: dict[str, float] | None) -> dict[str, float] | None:
-        for key, bias in (value or {}).items():
-            # ASCII digits only: str.isdigit() also accepts '²' and other scripts' digits.
-            if not (key.isascii() and key.isdigit() and len(key) <= 10 and int(key) <= INT32_MAX):
-                raise ValueError(f"logit_bias keys are token ids, got {key[:32]!r}")
-            if not -100.0 <= bias <= 100.0:
-                raise ValueError(f"logit_bias for {key} must be within [-100, 100]")
+    def _bias_range(cls, value: Any) -> Any:
+        for key, bias in value.items() if isinstance(value, dict) else value or ():
+            if bias is not False and not -100.0 <= bias <= 100.0:
+                raise ValueError(f"logit_bias for {str(key)[:32]!r} must be within [-100, 100] (or false to ban)")
         return value
 
-    def sampling(self, max_tokens: int, grammar: str | None = None, logprobs: int | None = None) -> p.SamplingParams:
+    def logit_biases(self) -> tuple[dict[int, float], list[tuple[str, float]]]:
+        """(token id -> bias, [(text, bias)]) as llama-server reads logit_bias:
+        an object's keys that are numbers are token ids, other keys are text;
+        a list's pairs are [id, bias] or [text, bias]; false bans (-inf)."""
+        ids: dict[int, float] = {}
+        texts: list[tuple[str, float]] = []
+        pairs = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias or ()
+        for key, bias in pairs:
+            value = float("-inf") if bias is False else float(bias)
+            if isinstance(key, int) or (isinstance(self.logit_bias, dict) and _bias_key(key)):
+                token = int(key)
+                ids[token] = ids.get(token, 0.0) + value  # as llama.cpp, which applies every entry
+            else:
+                texts.append((key, value))
+        return ids, texts
+
+    def sampling(self, max_tokens: int, grammar: str | None = None, logprobs: int | None = None,
+                 defaults: Any = None) -> p.SamplingParams:
+        """defaults: the server's sampling defaults (the model's settings: temperature, seed), for the fields
+        this request left out (pydantic's defaults are static; model_fields_set says what was sent)."""
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        biases = self.logit_biases()
+        sent = self.model_fields_set
+        temperature = self.temperature if defaults is None or "temperature" in sent else defaults.temperature
+        seed = self.seed if defaults is None or "seed" in sent else defaults.seed
         return p.SamplingParams(
             max_tokens=max_tokens,
-            temperature=self.temperature,
+            temperature=temperature,
             top_k=self.top_k,
             top_p=self.top_p,
             min_p=self.min_p,
-            seed=self.seed,
+            seed=None if seed is None or seed < 0 else seed,
             repeat_penalty=self.repeat_penalty,
             repeat_last_n=self.repeat_last_n,
             presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
-            logit_bias={int(k): v for k, v in (self.logit_bias or {}).items()},
+            logit_bias=biases[0],
+            logit_bias_text=biases[1],
             stop=stop,
             ignore_eos=self.ignore_eos,
             grammar=grammar,
@@ -207,7 +293,8 @@ class CompletionRequest(SamplingFields):
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS,
                                  description="the chosen token's log-probability and this many most likely ones")
     best_of: Literal[1] | None = None
-    suffix: None = None
+    suffix: str | None = Field(None, description="fill in the middle: the text after the gap, the prompt being the "
+                                                 "text before it (a model with FIM tokens; worker/fim.py)")
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -215,6 +302,14 @@ class CompletionRequest(SamplingFields):
         # No slot holds more than the whole context (the HTTP layer passes ctx_size).
         limit = (info.context or {}).get("max_prompt_tokens", MAX_PROMPT_TOKENS)
         return _at_most(value, limit, "prompt token ids (ctx_size)")
+
+    @field_validator("suffix")
+    @classmethod
+    def _suffix_needs_text(cls, value: str | None, info: ValidationInfo) -> str | None:
+        prompt = info.data.get("prompt")
+        if value is not None and isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
+            raise ValueError("suffix fills in after a text prompt (the text before the gap), not token ids")
+        return value
 
     def prompt_value(self) -> str | list[int]:
         if isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], str):
@@ -314,6 +409,8 @@ class ChatMessageIn(RequestModel):
     tool_calls: Annotated[list[ToolCallIn], Field(max_length=MAX_TOOL_CALLS)] | None = None
     tool_call_id: Annotated[str, Field(max_length=256)] | None = None
     name: Annotated[str, Field(max_length=256)] | None = None
+    reasoning_content: str | None = Field(None, description="an assistant's thinking, sent back: given to templates "
+                                                            "that read it, or continued (continue_final_message)")
 
     @field_validator("tool_calls", mode="before")
     @classmethod
@@ -333,7 +430,8 @@ class ChatMessageIn(RequestModel):
     def to_protocol(self, image: Callable[[ImagePart], bytes]) -> p.ChatMessage:
         role = "system" if self.role == "developer" else self.role
         calls = [p.ToolCall(c.id, c.function.name, c.function.arguments) for c in self.tool_calls or ()]
-        extra = {"tool_calls": calls, "tool_call_id": self.tool_call_id, "name": self.name}
+        extra = {"tool_calls": calls, "tool_call_id": self.tool_call_id, "name": self.name,
+                 "reasoning_content": self.reasoning_content}
         if self.content is None or isinstance(self.content, str):
             return p.ChatMessage(role, self.content or "", **extra)
         parts = []
@@ -351,11 +449,67 @@ class Conversation(RequestModel):
 
     messages: Annotated[list[ChatMessageIn], Field(min_length=1, max_length=MAX_MESSAGES)]
     tools: Annotated[list[ToolIn], Field(max_length=MAX_TOOLS)] | None = None
+    # llama-server's template options (daemon/worker/chat.py renders them).
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        None, description=f"variables for the chat template (e.g. enable_thinking): at most {MAX_TEMPLATE_KWARGS}, "
+                          f"each value at most {MAX_TEMPLATE_KWARG_BYTES} bytes of JSON")
+    add_generation_prompt: StrictBool | None = Field(None, description="end the prompt with the assistant's turn opened "
+                                                                 "(default true, false when continuing)")
+    continue_final_message: StrictBool | None = Field(
+        None, validate_default=True, description="continue the last (assistant) message rather than close it; "
+                                                 "default: true when the conversation ends with one (assistant prefill)")
 
     @field_validator("messages", mode="before")
     @classmethod
     def _message_count(cls, value: Any) -> Any:
         return _at_most(value, MAX_MESSAGES, "messages")
+
+    @field_validator("chat_template_kwargs", mode="before")
+    @classmethod
+    def _kwargs_bounds(cls, value: Any) -> Any:
+        _at_most(value, MAX_TEMPLATE_KWARGS, "chat_template_kwargs entries")
+        for key, item in value.items() if isinstance(value, dict) else ():
+            if not 0 < len(key) <= 128 or key in TEMPLATE_VARIABLES:
+                raise ValueError(f"{key[:32]!r} is not a template variable a request may set (1 to 128 characters; "
+                                 f"not one of {', '.join(sorted(TEMPLATE_VARIABLES))})")
+            if key == "enable_thinking" and not isinstance(item, bool):
+                raise ValueError(f"enable_thinking must be true or false, got {type(item).__name__}")
+            try:
+                over = _json_within(item, MAX_TEMPLATE_KWARG_BYTES, MAX_TEMPLATE_KWARG_DEPTH) < 0
+            except ValueError:
+                raise ValueError(f"{key}: nested more than {MAX_TEMPLATE_KWARG_DEPTH} levels deep") from None
+            if over:
+                raise ValueError(f"{key}: at most {MAX_TEMPLATE_KWARG_BYTES} bytes of JSON")
+        return value
+
+    @field_validator("continue_final_message")
+    @classmethod
+    def _continuation(cls, value: bool | None, info: ValidationInfo) -> bool | None:
+        """As llama-server's: an assistant message at the end is continued
+        unless asked otherwise; conflicting asks are refused."""
+        messages, opened = info.data.get("messages"), info.data.get("add_generation_prompt")
+        if not messages:
+            return value
+        last = messages[-1]
+        if value is None:  # assistant prefill, unless a new turn was asked for
+            if last.role != "assistant" or last.tool_calls or opened:
+                return False
+            if len(messages) > 1 and messages[-2].role == "assistant":
+                raise ValueError("2 or more assistant messages end the conversation; the last one would be continued")
+            return True
+        if value and opened:
+            raise ValueError("cannot both continue the final message and add a generation prompt")
+        if value and last.role != "assistant":
+            raise ValueError(f"the last message must be the assistant's to be continued, not {last.role!r}")
+        if value and last.tool_calls:
+            raise ValueError("an assistant message with tool calls cannot be continued")
+        return value
+
+    def template_args(self) -> dict[str, Any]:
+        """The template options as p.Submit / p.Query fields."""
+        return {"chat_template_kwargs": self.chat_template_kwargs or {},
+                "continue_final": bool(self.continue_final_message),
+                "add_generation_prompt": not self.continue_final_message and self.add_generation_prompt is not False}
 
     @field_validator("tools", mode="before")
     @classmethod
@@ -373,6 +527,9 @@ class ChatCompletionRequest(SamplingFields, Conversation):
     function_call: Any = Field(None, description="refused: OpenAI's deprecated form of tool_choice")
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    reasoning_format: Literal["none", "auto", "deepseek", "deepseek-legacy"] = Field(
+        "auto", description="llama-server's: where an answer's thinking goes (message.reasoning_content, or none: "
+                            "left in the content)")
 
     @field_validator("top_logprobs")
     @classmethod
@@ -468,9 +625,14 @@ class NativeCompletionRequest(SamplingFields):
     """llama-server's /completion: its names for the same sampling fields."""
 
     prompt: str | Annotated[list[TokenId], Field(min_length=1)]
-    n_predict: int = Field(-1, ge=-1, le=1_000_000, description="-1: until the end of generation or of the slot's context")
+    n_predict: int = Field(-1, ge=-1, le=1_000_000, description="-1: until the end of generation or of the slot's "
+                                                                "context; left out: the server's n_predict")
+    max_tokens: int | None = Field(None, ge=1, le=1_000_000, description="llama-server's alias of n_predict")
     cache_prompt: bool = Field(True, description="false: read the whole prompt, reuse nothing cached")
     n_probs: int = Field(0, ge=0, le=MAX_TOP_LOGPROBS, description="the most likely tokens at each position")
+    post_sampling_probs: bool = Field(False, description="n_probs as probabilities (prob, top_probs) of the "
+                                                         "distribution the sampler chain drew from")
+    return_tokens: bool = Field(False, description="the generated token ids in `tokens`")
 
     @field_validator("prompt", mode="before")
     @classmethod

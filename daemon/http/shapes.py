@@ -8,7 +8,11 @@ sent and writes what it returns.
 
 from __future__ import annotations
 
+import hashlib
+import os
 import time
+from functools import lru_cache
+from importlib import metadata
 from typing import Any
 
 from daemon import protocol as p
@@ -32,7 +36,7 @@ def timings(done: p.Done) -> dict[str, Any]:
     prompt_ms = done.prompt_seconds * 1000
     predicted_n = done.completion_tokens
     predicted_ms = done.generation_seconds * 1000
-    return {
+    out = {
         "cache_n": done.cached_tokens,
         "prompt_n": prompt_n,
         "prompt_ms": round(prompt_ms, 3),
@@ -45,6 +49,45 @@ def timings(done: p.Done) -> dict[str, Any]:
         "predicted_per_second": round((predicted_n - 1) / done.generation_seconds, 3)
         if predicted_n > 1 and done.generation_seconds > 0 else 0.0,
     }
+    if done.drafted_tokens > 0:  # as llama-server: only when a draft model proposed tokens
+        out["draft_n"] = done.drafted_tokens
+        out["draft_n_accepted"] = done.accepted_tokens
+    return out
+
+
+def system_fingerprint(model_path: str) -> str:
+    """A stable value per model build, as llama-server's "b<build>-<commit>":
+    the llama.cpp bindings' version and a digest of the model file (its size
+    and first MiB, as the prompt cache's files check it), so it changes when
+    either does and not with a restart."""
+    try:
+        info = os.stat(model_path)
+    except OSError:  # not a file (yet): the path names it
+        return _fingerprint(model_path, -1, 0)
+    return _fingerprint(model_path, info.st_size, info.st_mtime_ns)
+
+
+@lru_cache(maxsize=256)
+def _fingerprint(path: str, size: int, mtime_ns: int) -> str:
+    digest = hashlib.blake2b(digest_size=4)
+    if size >= 0:
+        from daemon.model.kv_files import model_fingerprint
+
+        try:
+            digest.update(f"{size}:{model_fingerprint(path)['head']}".encode())
+        except OSError:
+            digest.update(path.encode())
+    else:
+        digest.update(path.encode())
+    return f"b{_bindings_version()}-{digest.hexdigest()}"
+
+
+@lru_cache(maxsize=1)
+def _bindings_version() -> str:
+    try:
+        return metadata.version("llama_cpp_python")
+    except metadata.PackageNotFoundError:  # pragma: no cover - the worker needs it anyway
+        return "0"
 
 
 def piece_text(piece: bytes) -> str:
@@ -54,9 +97,11 @@ def piece_text(piece: bytes) -> str:
 class _Shape:
     """How one endpoint's responses look."""
 
-    def __init__(self, request_id: str, model: str, include_usage: bool = False, logprobs: bool = False) -> None:
+    def __init__(self, request_id: str, model: str, include_usage: bool = False, logprobs: bool = False,
+                 fingerprint: str | None = None) -> None:
         self.id = request_id
         self.model = model
+        self.fingerprint = fingerprint  # system_fingerprint, on every body and chunk (as llama-server)
         self.created = int(time.time())
         self.logprobs = logprobs
         # As OpenAI's: with stream_options.include_usage every chunk carries
@@ -67,6 +112,8 @@ class _Shape:
                  extra: dict | None = None) -> dict[str, Any]:
         body: dict[str, Any] = {"id": self.id, "object": object_name, "created": self.created, "model": self.model,
                                 "choices": choices}
+        if self.fingerprint is not None:
+            body["system_fingerprint"] = self.fingerprint
         if usage is not _NO_USAGE:
             body["usage"] = usage
         if extra:
@@ -132,8 +179,10 @@ class ChatShape(_Shape):
         } for e in entries], "refusal": None}
 
     def choice(self, index: int, text: str | None, reason: str, logprobs: list[p.TokenLogprob],
-               tool_calls: list[dict] | None = None) -> dict:
+               tool_calls: list[dict] | None = None, reasoning: str | None = None) -> dict:
         message: dict[str, Any] = {"role": "assistant", "content": text}
+        if reasoning:  # as llama-server: only when the answer had thinking
+            message["reasoning_content"] = reasoning
         if tool_calls:
             message["tool_calls"] = tool_calls
         return {"index": index, "message": message, "logprobs": self.logprobs_of(logprobs), "finish_reason": reason}
@@ -142,8 +191,10 @@ class ChatShape(_Shape):
         return self.envelope("chat.completion", choices, usage(done), {"timings": timings(done)})
 
     def chunk(self, text: str | None, logprobs: list[p.TokenLogprob] = (), reason: str | None = None,
-              tool_calls: list[dict] | None = None, index: int = 0) -> dict:
+              tool_calls: list[dict] | None = None, index: int = 0, reasoning: str | None = None) -> dict:
         delta: dict[str, Any] = {} if text is None else {"content": text}
+        if reasoning is not None:
+            delta["reasoning_content"] = reasoning
         if tool_calls is not None:
             delta["tool_calls"] = tool_calls
         entries = list(logprobs)

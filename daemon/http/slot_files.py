@@ -1,9 +1,81 @@
-"""llama-server's POST /slots/{id}?action=save|restore|erase: not built yet (issue 17/18); its routes are added here."""
+"""llama-server's POST /slots/{id}?action=save|restore|erase (the admin key is
+required by the middleware on /slots/*): save a slot's prompt cache to a
+named file in `slot_save_path/<model id>/`, restore one into a slot, erase a
+slot. Answers as llama-server's: id_slot, filename, n_saved / n_restored,
+n_written / n_read, timings; erase: id_slot, n_erased. The worker does the
+work (daemon/worker/prompt_cache_slots.py) in the prompt cache's own sealed
+file format."""
 
 from __future__ import annotations
 
+import time
+
 from aiohttp import web
+from pydantic import Field
+
+from daemon.http.admin_routes import model_param
+from daemon.http.errors import ApiError
+from daemon.http.keys import FLEET, model_for
+from daemon.http.openai_routes import _failure_error, _first_item, parse_body, tracked
+from daemon.http.schemas import RequestModel
+from daemon.model.jobs import JobFailure
+from daemon.protocol import Answer
+
+ACTIONS = ("save", "restore", "erase")
+STATUS = {"slot_busy": 409, "not_supported": 501, "slot_file_error": 400, "invalid_request": 400}
+
+
+class SlotFileRequest(RequestModel):
+    filename: str = Field(min_length=1, max_length=200)
+    model: str | None = None
+
+
+def _slot_id(request: web.Request) -> int:
+    raw = request.match_info["id_slot"]
+    if not raw.isdigit() or len(raw) > 4:
+        raise ApiError(400, "id_slot: must be a slot number (0, 1, ...)", "invalid_value", param="id_slot")
+    return int(raw)
+
+
+async def slot_action(request: web.Request) -> web.Response:
+    action = request.query.get("action")
+    if action not in ACTIONS:
+        raise ApiError(400, f"action: must be one of {', '.join(ACTIONS)}", "invalid_value", param="action")
+    id_slot = _slot_id(request)
+    if action == "erase":
+        filename, model = "", await model_param(request)
+    else:
+        body = await parse_body(request, SlotFileRequest)
+        filename = body.filename
+        model = model_for(request, body.model) if body.model else await model_param(request)
+    model = model or request.app[FLEET].default_model
+    settings = model.controller.settings
+    if settings.slot_save_path is None:
+        raise ApiError(501, "This server does not support slots action. Start it with `--slot-save-path` "
+                            "(slot_save_path)", "not_supported")
+    if id_slot >= settings.parallel:
+        raise ApiError(400, f"id_slot: this model has slots 0..{settings.parallel - 1}", "invalid_value",
+                       param="id_slot")
+    start = time.perf_counter()
+    job = model.controller.new_query("slots", f"slot_{action}", tokens=[id_slot], text=filename)
+    async with tracked(request, model, job):
+        item = await _first_item(request, model, job)
+    if isinstance(item, JobFailure):
+        raise _failure_error(item)
+    if not isinstance(item, Answer):  # pragma: no cover - a query is answered by one Answer
+        raise ApiError(500, "the worker answered a slot action with something else", "internal_error")
+    if item.error is not None:
+        raise ApiError(STATUS.get(item.error_code or "", 500), item.error, item.error_code)
+    n_tokens, n_bytes = (item.tokens + [0, 0])[:2]
+    ms = (time.perf_counter() - start) * 1000
+    if action == "erase":
+        return web.json_response({"id_slot": id_slot, "n_erased": n_tokens})
+    if action == "save":
+        return web.json_response({"id_slot": id_slot, "filename": filename, "n_saved": n_tokens, "n_written": n_bytes,
+                                  "timings": {"save_ms": ms}})
+    return web.json_response({"id_slot": id_slot, "filename": filename, "n_restored": n_tokens, "n_read": n_bytes,
+                              "timings": {"restore_ms": ms}})
 
 
 def add_routes(app: web.Application) -> None:
-    pass
+    app.router.add_post("/slots/{id_slot}", slot_action)

@@ -30,6 +30,8 @@ class Job:
     dispatched: bool = False
     finished: bool = False
     first_token_at: float | None = None
+    max_wait: float | None = None  # X-Dormouse-Max-Wait: how long this client may wait for a wake
+    wake_seconds: float | None = None  # measured wait for the wake, when it was cold (X-Dormouse-Wake-Seconds)
     items: asyncio.Queue[Item] = field(default_factory=asyncio.Queue)
     # Set once the request is handed to a worker or answered: the wait for a wake is over.
     _placed: asyncio.Event = field(default_factory=asyncio.Event)

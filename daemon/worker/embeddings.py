@@ -1,5 +1,7 @@
-"""Pooled, normalized embeddings from a context made with embeddings on
-(ModelSpec.embeddings; runtime.py sets the pooling type).
+"""Pooled outputs from a context made with embeddings on (ModelSpec.embeddings;
+runtime.py sets the pooling type): normalized embeddings, and a reranker's
+scores (pooling = "rank": llama.cpp runs the model's classifier head on the
+pooled vector and returns its n_cls_out outputs; the first is the score).
 
 Each input is decoded as one sequence in one llama_decode (a pooled sequence
 must sit in one micro-batch), on the sequence id of slot 0, which an
@@ -11,14 +13,18 @@ from __future__ import annotations
 
 import ctypes
 import math
+from functools import lru_cache
 
 from daemon.worker.errors import RequestError
+from daemon.worker.fim import head_tokens, text_tokens
 from daemon.worker.llama_lib import llama
 
+RERANK_TEMPLATE_KEY = "tokenizer.chat_template.rerank"  # what llama_model_chat_template(model, "rerank") reads
 
-def embed(ctx: ctypes.c_void_p, batch, limit: int, n_embd: int, tokens: list[int]) -> list[float]:
-    """The L2-normalized pooled embedding of one tokenized input of at most
-    `limit` tokens (the batch size, and the context of one sequence)."""
+
+def pooled(ctx: ctypes.c_void_p, batch, limit: int, n_out: int, tokens: list[int]) -> list[float]:
+    """The `n_out` pooled floats of one tokenized input of at most `limit`
+    tokens (the batch size, and the context of one sequence)."""
     if not tokens:
         raise RequestError("it is empty")
     if len(tokens) > limit:
@@ -40,8 +46,78 @@ def embed(ctx: ctypes.c_void_p, batch, limit: int, n_embd: int, tokens: list[int
         pointer = llama.llama_get_embeddings_seq(ctx, 0)
         if not pointer:
             raise RequestError("the context returned no pooled embedding", "decode_failed")
-        vector = [float(pointer[i]) for i in range(n_embd)]
+        return [float(pointer[i]) for i in range(n_out)]
     finally:
         llama.llama_memory_seq_rm(memory, 0, -1, -1)
+
+
+def embed(ctx: ctypes.c_void_p, batch, limit: int, n_embd: int, tokens: list[int]) -> list[float]:
+    """The L2-normalized pooled embedding of one tokenized input."""
+    vector = pooled(ctx, batch, limit, n_embd, tokens)
     norm = math.sqrt(sum(x * x for x in vector))
     return [x / norm for x in vector] if norm > 0 else vector
+
+
+# -- rerank ------------------------------------------------------------------------
+
+
+@lru_cache(maxsize=4)
+def has_classifier_head(path: str) -> bool:
+    """Whether the GGUF holds a classifier head (cls.weight for BERT-style
+    rerankers, cls.output.weight for others): without one, rank pooling
+    returns the first number of the hidden state, which ranks nothing."""
+    from daemon.model.gguf_header import GgufError, read_header
+
+    try:
+        return any(t.name.startswith("cls.") for t in read_header(path).tensors)
+    except (GgufError, OSError):  # llama.cpp loaded it, this reader could not: the configuration is trusted
+        return True
+
+
+def check_reranker(model: ctypes.c_void_p, vocab, path: str, template: str | None) -> None:
+    """llama.cpp's own conditions for reranking (common_init_from_params), and a head to rank with."""
+    if not has_classifier_head(path):
+        raise RequestError("this model has no classifier head (no cls.* tensors in its GGUF): it is not a "
+                           "reranker, whatever its pooling; name a reranker model")
+    if template is None:
+        if llama.llama_vocab_bos(vocab) < 0:
+            raise RequestError("this reranker's vocabulary has no BOS token and its GGUF no rerank template "
+                               f"({RERANK_TEMPLATE_KEY}): its prompt cannot be built")
+        if llama.llama_vocab_eos(vocab) < 0 and llama.llama_vocab_sep(vocab) < 0:
+            raise RequestError("this reranker's vocabulary has neither an EOS nor a SEP token, and its GGUF no "
+                               f"rerank template ({RERANK_TEMPLATE_KEY}): its prompt cannot be built")
+
+
+def rerank_tokens(vocab, query: str, document: str, limit: int, template: str | None,
+                  tokens_within) -> list[int]:
+    """One (query, document) pair as llama-server's format_prompt_rerank puts
+    it: the model's rerank template with {query} and {document} replaced
+    (special tokens parsed, as there), or BOS query EOS SEP document EOS where
+    the vocabulary adds each (EOS falling back to SEP); the texts' own special
+    tokens are not parsed. Refused past `limit` tokens, the work bounded by it.
+    tokens_within(text, limit): the text's tokens, specials parsed, refused past limit."""
+    if template is not None:
+        return tokens_within(template.replace("{query}", query).replace("{document}", document), limit)
+
+    def tokenize(text: str) -> list[int]:
+        return text_tokens(vocab, text)
+
+    eos = llama.llama_vocab_eos(vocab)
+    if eos < 0:
+        eos = llama.llama_vocab_sep(vocab)
+    add_eos = bool(llama.llama_vocab_get_add_eos(vocab))
+    tokens = [llama.llama_vocab_bos(vocab)] if llama.llama_vocab_get_add_bos(vocab) else []
+    tokens += head_tokens(tokenize, query, limit + 1)
+    if add_eos:
+        tokens.append(eos)
+    if llama.llama_vocab_get_add_sep(vocab):
+        tokens.append(llama.llama_vocab_sep(vocab))
+    if len(tokens) <= limit:  # past it the pair is refused anyway: the document is not read
+        tokens += head_tokens(tokenize, document, limit + 1 - len(tokens))
+        if add_eos:
+            tokens.append(eos)
+    if len(tokens) > limit:
+        raise RequestError(f"the query and this document have more than {limit} tokens together; a reranker "
+                           "reads a pair in one decode of at most batch_size tokens (within ctx_size / parallel)",
+                           "context_length_exceeded")
+    return tokens

@@ -11,7 +11,13 @@ is one the grammar allows, or the request ends with an error: accepting a
 refused token makes llama.cpp throw across the C API, which kills the worker.
 
 Log-probabilities are the model's own (a log-softmax of the raw logits, before
-bias, penalties, temperature and truncation), as OpenAI's are.
+bias, penalties, temperature and truncation), as OpenAI's are; with
+post_sampling_probs they are those of the distribution the chain drew from
+(after truncation and temperature, renormalized), as llama-server's
+`post_sampling_probs`: that needs the chain's candidates, so the slow path.
+
+logit_bias keys that are text (llama-server's) are tokenized here, without
+special tokens, and each of their tokens gets the bias; a bias of -inf bans.
 
 Every number is bounded to what it means before it reaches llama.cpp:
 llama.cpp allocates the penalty window (`repeat_last_n` tokens) up front and
@@ -40,6 +46,32 @@ def check_logit_bias(logit_bias: dict[int, float], n_vocab: int) -> None:
         raise RequestError(f"logit_bias has token ids outside the vocabulary (0..{n_vocab - 1}): {bad[:5]}")
 
 
+def text_tokens(vocab: ctypes.c_void_p, text: str) -> list[int]:
+    """A text's tokens as llama-server reads a logit_bias key: no BOS, special tokens not parsed."""
+    data = text.encode("utf-8")
+    capacity = len(data) + 8  # a token is at least one byte; the schema bounds the text
+    buf = (llama.llama_token * capacity)()
+    n = llama.llama_tokenize(vocab, data, len(data), buf, capacity, False, False)
+    return list(buf[:max(n, 0)])
+
+
+def resolved_logit_bias(params: SamplingParams, n_vocab: int, vocab: ctypes.c_void_p | None) -> dict[int, float]:
+    """Token id -> bias, the text keys' tokens included; biases of one token add up (as llama.cpp applies each)."""
+    check_logit_bias(params.logit_bias, n_vocab)
+    if not params.logit_bias_text:
+        return params.logit_bias
+    if vocab is None:  # pragma: no cover - every engine call site passes its vocabulary
+        raise RequestError("logit_bias text keys need the model's vocabulary")
+    biases = dict(params.logit_bias)
+    for text, bias in params.logit_bias_text:
+        tokens = text_tokens(vocab, text)
+        if not tokens:
+            raise RequestError(f"logit_bias: the text {text[:32]!r} has no tokens in this model's vocabulary")
+        for token in tokens:
+            biases[token] = biases.get(token, 0.0) + bias
+    return biases
+
+
 class GrammarDeadEnd(RequestError):
     """The grammar allows no token at this position."""
 
@@ -50,9 +82,11 @@ class SamplerChain:
         """grammar_of: another request's chain whose grammar has accepted
         nothing yet (the first choice, at the fork of n choices): cloned
         rather than parsed again."""
-        check_logit_bias(params.logit_bias, n_vocab)
+        logit_bias = resolved_logit_bias(params, n_vocab, vocab)
         self.n_vocab = n_vocab
         self.top_logprobs = params.logprobs
+        self.post_sampling = params.post_sampling_probs and params.logprobs is not None
+        self.greedy = params.temperature <= 0.0
         self.last_logprobs: tuple[float, list[tuple[int, float]]] | None = None  # (chosen, top) of the last draw
         self._grammar = None
         self._candidates = None  # numpy records shared with llama.cpp, made on the first slow-path draw
@@ -71,11 +105,11 @@ class SamplerChain:
         self._chain = chain
         add = lambda sampler: llama.llama_sampler_chain_add(chain, sampler)  # noqa: E731
 
-        if params.logit_bias:
-            biases = (llama.llama_logit_bias * len(params.logit_bias))()
-            for entry, (token, bias) in zip(biases, params.logit_bias.items()):
+        if logit_bias:
+            biases = (llama.llama_logit_bias * len(logit_bias))()
+            for entry, (token, bias) in zip(biases, logit_bias.items()):
                 entry.token, entry.bias = int(token), float(bias)
-            add(llama.llama_sampler_init_logit_bias(n_vocab, len(params.logit_bias), biases))
+            add(llama.llama_sampler_init_logit_bias(n_vocab, len(logit_bias), biases))
         if params.repeat_penalty != 1.0 or params.presence_penalty or params.frequency_penalty:
             add(
                 llama.llama_sampler_init_penalties(
@@ -100,16 +134,26 @@ class SamplerChain:
 
     def sample(self, ctx: ctypes.c_void_p, batch_index: int) -> int:
         """Draw from the logits at batch_index and accept the token."""
-        if self._grammar is None and self.top_logprobs is None:
-            return llama.llama_sampler_sample(self._chain, ctx, batch_index)  # all in C
-        import numpy as np  # only requests with a grammar or logprobs pay for numpy
+        if self._grammar is None and not (self.post_sampling and not self.greedy):
+            token = llama.llama_sampler_sample(self._chain, ctx, batch_index)  # all in C, the token accepted
+            if self.post_sampling:  # greedy: a point mass on its token
+                self.last_logprobs = self._post_sampling_at(None, token)
+            elif self.top_logprobs is not None:  # the model's own: read from the logits, which the draw left alone
+                import numpy as np
+
+                logits = np.ctypeslib.as_array(llama.llama_get_logits_ith(ctx, batch_index), shape=(self.n_vocab,))
+                self.last_logprobs = _log_softmax_at(np, logits, token, self.top_logprobs)
+            return token
+        import numpy as np  # only requests with a grammar or post-sampling probabilities pay for this path
 
         pointer = llama.llama_get_logits_ith(ctx, batch_index)
         logits = np.ctypeslib.as_array(pointer, shape=(self.n_vocab,))
         token = self._draw(logits, with_grammar=False)
         if self._grammar is not None and not self._grammar_allows(token, float(logits[token])):
             token = self._draw(logits, with_grammar=True)
-        if self.top_logprobs is not None:
+        if self.post_sampling:
+            self.last_logprobs = self._post_sampling_at(np, token)
+        elif self.top_logprobs is not None:
             self.last_logprobs = _log_softmax_at(np, logits, token, self.top_logprobs)
         llama.llama_sampler_accept(self._chain, token)
         if self._grammar is not None:
@@ -134,10 +178,39 @@ class SamplerChain:
         llama.llama_sampler_apply(self._chain, ctypes.byref(array))
         if not 0 <= array.selected < array.size:
             raise GrammarDeadEnd("the sampler selected no token", "invalid_grammar")
+        self._drawn = array  # what the chain left: the distribution post-sampling probabilities are read from
         chosen = array.data[array.selected]
         if with_grammar and chosen.logit == float("-inf"):
             raise GrammarDeadEnd("the grammar allows no token at this point of the output", "invalid_grammar")
         return int(chosen.id)
+
+    def _post_sampling_at(self, np, token: int) -> tuple[float, list[tuple[int, float]]]:
+        """log p(token) and the most likely candidates with theirs, under the
+        distribution the chain drew from: the candidates it kept, their logits
+        after bias, penalties and temperature, renormalized. Greedy draws from
+        a point mass on its token. Candidates of probability 0 are left out,
+        as llama-server does."""
+        top = self.top_logprobs or 0
+        if self.greedy:
+            return 0.0, [(token, 0.0)][:top]
+        array = self._drawn
+        size = int(array.size)
+        if ctypes.addressof(array.data.contents) == self._candidates.ctypes.data:
+            kept = self._candidates[:size]
+        else:  # pragma: no cover - llama.cpp's samplers sort and cut in place
+            kept = np.ctypeslib.as_array(array.data, shape=(size,))
+        values = kept["logit"].astype(np.float64)
+        probs = np.exp(values - values.max())
+        probs /= probs.sum()
+        ids = kept["id"]
+        where = np.flatnonzero(ids == token)
+        chosen = float(probs[where[0]]) if where.size else 0.0
+        best: list[tuple[int, float]] = []
+        if top > 0:
+            order = np.argpartition(-probs, top - 1)[:top] if size > top else np.arange(size)
+            order = order[np.argsort(-probs[order], kind="stable")]
+            best = [(int(ids[i]), float(np.log(probs[i]))) for i in order if probs[i] > 0.0]
+        return (float(np.log(chosen)) if chosen > 0.0 else float("-inf")), best
 
     def _grammar_allows(self, token: int, logit: float) -> bool:
         one = (llama.llama_token_data * 1)(llama.llama_token_data(token, logit, 0.0))

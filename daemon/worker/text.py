@@ -31,6 +31,7 @@ class StopMatcher:
         self.stops = [s for s in stops if s]
         self._pending = ""
         self.stopped = False
+        self.matched = ""  # the stop string that ended the text (llama-server's stopping_word)
 
     def feed(self, text: str) -> str:
         """Text that is safe to send now. After a stop is found, `stopped` is set
@@ -41,9 +42,11 @@ class StopMatcher:
         if not self.stops:
             self._pending = ""
             return buffer
-        cut = min((i for i in (buffer.find(s) for s in self.stops) if i >= 0), default=-1)
+        found = [(at, stop) for stop in self.stops if (at := buffer.find(stop)) >= 0]
+        cut = min(found)[0] if found else -1
         if cut >= 0:
             self.stopped = True
+            self.matched = min(found)[1]
             self._pending = ""
             return buffer[:cut]
         hold = self._longest_stop_prefix_suffix(buffer)

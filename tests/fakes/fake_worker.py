@@ -13,6 +13,14 @@ Behaviour comes from the environment:
   FAKE_HANG_AFTER_TOKENS  stop itself (SIGSTOP) after emitting this many tokens in total
   FAKE_MODEL_BYTES        the model bytes it reports having loaded (default 1000; its context is 100 more)
   FAKE_MODEL_SIZES        JSON {file stem: model bytes}: per model, over FAKE_MODEL_BYTES (a fleet of sizes)
+  FAKE_NO_FIM             the model has no fill-in-the-middle tokens: a Submit with infill is refused
+  FAKE_ROUSE_SECONDS      time a Rouse (context creation after a Doze) takes (default 0.01)
+  FAKE_ROUSE_ERROR        answer a Rouse with Error(message) and exit 3
+  FAKE_DOZE_COUNTER       file to append a line to on every Doze
+
+Its answer is "t0 t1 t2 ..." (one word per token) up to max_tokens, or, with
+one choice, up to a stop string of the request (SamplingParams.stop): the
+text before it, then Done("stop") with stopping_word set, as the real worker.
 """
 
 from __future__ import annotations
@@ -49,9 +57,31 @@ def fake_answer(query: p.Query) -> p.Answer:
             len(m.content.split()) if isinstance(m.content, str) else sum(len((part.text or "").split()) + (part.type == "image")
                                                                        for part in m.content)
             for m in query.messages))
+    if query.kind in ("slot_save", "slot_restore", "slot_erase"):  # [tokens moved, bytes], as the real worker answers
+        if query.text == "busy":
+            return p.Answer(query.request_id, error=f"slot {query.tokens[0]} is busy", error_code="slot_busy")
+        return p.Answer(query.request_id, tokens=[7, 0 if query.kind == "slot_erase" else 4096])
     if query.kind == "embed":
         return p.Answer(query.request_id, embeddings=[[1.0] for _ in query.inputs], prompt_tokens=len(query.inputs))
+    if query.kind == "rerank":  # a document's score: how many of the query's words it has
+        words = set(query.text.lower().split())
+        return p.Answer(query.request_id, embeddings=[[float(len(words & set(d.lower().split())))]
+                                                      for d in query.inputs],
+                        prompt_tokens=sum(len(query.text.split()) + len(d.split()) for d in query.inputs))
     return p.Answer(query.request_id, error=f"unknown query kind {query.kind!r}", error_code="invalid_request")
+
+
+def stop_cut(stops: list[str], n: int) -> tuple[str, str] | None:
+    """(what token n sends, the stop string) when the answer "t0 t1 ... t<n> "
+    now holds one of `stops` (the first found ends it; the stop is not sent);
+    None while none is there."""
+    before = "".join(f"t{i} " for i in range(n))
+    full = before + f"t{n} "
+    found = [(at, stop) for stop in stops if stop and (at := full.find(stop)) >= 0]
+    if not found:
+        return None
+    at, stop = min(found)
+    return full[len(before):max(at, len(before))], stop
 
 
 def main() -> int:
@@ -86,6 +116,29 @@ def main() -> int:
     channel.send(p.Ready(spec.parallel, spec.ctx_size, spec.ctx_size // spec.parallel, phases, info,
                          {"model": model_bytes, "context": 100}))
 
+    def doze() -> str:
+        """The drowsy tier: contexts freed (the model kept); then rouse, sleep or eof."""
+        if os.environ.get("FAKE_DOZE_COUNTER"):
+            with open(os.environ["FAKE_DOZE_COUNTER"], "a") as f:
+                f.write(f"{os.getpid()}\n")
+        channel.send(p.DozeReport([p.Phase("draft_context", 0.0, 0, skipped=True), p.Phase("context", 0.001, 100)]))
+        while True:
+            message = channel.receive()
+            if message is None:
+                return "eof"
+            if isinstance(message, p.Sleep):
+                return "sleep"
+            if isinstance(message, p.Ping):
+                channel.send(p.Pong(message.seq))
+            if isinstance(message, p.Rouse):
+                time.sleep(env_float("FAKE_ROUSE_SECONDS", 0.01))
+                if os.environ.get("FAKE_ROUSE_ERROR"):
+                    channel.send(p.Error(os.environ["FAKE_ROUSE_ERROR"], during="rouse"))
+                    sys.exit(3)
+                channel.send(p.Ready(spec.parallel, spec.ctx_size, spec.ctx_size // spec.parallel,
+                                     [p.Phase("context", 0.001, 100)], info, {"model": model_bytes, "context": 100}))
+                return "rouse"
+
     crash_after = int(os.environ.get("FAKE_CRASH_AFTER_TOKENS", "0"))
     hang_after = int(os.environ.get("FAKE_HANG_AFTER_TOKENS", "0"))
     step = env_float("FAKE_TOKEN_SECONDS", 0.01)
@@ -108,6 +161,14 @@ def main() -> int:
         report_slots()
         message = channel.receive(block=not active)
         while message is not False:
+            if isinstance(message, p.Doze):
+                message = doze()
+                if message == "eof":
+                    return 0
+                message = p.Sleep() if message == "sleep" else False
+                if message is False:
+                    reported.clear()  # a rouse: the slots are new
+                    continue
             if message is None or isinstance(message, p.Sleep):
                 for rid in [*active, *queued]:
                     channel.send(p.Done(rid, "cancelled"))
@@ -117,7 +178,10 @@ def main() -> int:
                 channel.send(p.SleepReport(phases))
                 return 0
             if isinstance(message, p.Submit):
-                if message.prompt == "FAIL":
+                if message.infill is not None and os.environ.get("FAKE_NO_FIM"):
+                    channel.send(p.Done(message.request_id, "error", error="model 'fake.gguf' has no fill-in-the-middle "
+                                        "tokens", error_code="invalid_request"))
+                elif message.prompt == "FAIL":
                     channel.send(p.Done(message.request_id, "error", error="prompt too long", error_code="context_length_exceeded"))
                 else:
                     queued[message.request_id] = [message.params, 0, message.n]
@@ -134,6 +198,13 @@ def main() -> int:
         time.sleep(step)
         for rid, state in list(active.items()):
             params, n, choices = state
+            cut = stop_cut(params.stop, n) if choices == 1 and params.stop else None
+            if cut is not None:  # a stop string ended the answer: the text before it, then Done naming it
+                del active[rid]
+                if cut[0]:
+                    channel.send(p.Tokens(rid, cut[0], n + 1, n_prompt_tokens=3 if n == 0 else 0))
+                channel.send(p.Done(rid, "stop", prompt_tokens=3, completion_tokens=n + 1, stopping_word=cut[1]))
+                continue
             for index in range(choices):  # choice i writes "c<i>t<n> " when there are several
                 text = f"c{index}t{n} " if choices > 1 else f"t{n} "
                 channel.send(p.Tokens(rid, text, n + 1, n_prompt_tokens=3 if n == 0 else 0, index=index))

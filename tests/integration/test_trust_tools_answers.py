@@ -30,9 +30,9 @@ def scripted(monkeypatch):
     jobs: list[Job] = []
 
     def install(controller):
-        def new_job(endpoint, params, prompt=None, messages=None, tools=(), n=1, cache_prompt=True):
-            job = Job(p.Submit(f"job{len(jobs)}", params, prompt=prompt, messages=messages, tools=list(tools), n=n),
-                      endpoint)
+        def new_job(endpoint, params, tools=(), keep_alive=None, max_wait=None, **fields):
+            # as the controller's: `fields` are p.Submit's (prompt or messages, n, the template's arguments)
+            job = Job(p.Submit(f"job{len(jobs)}", params, tools=list(tools), **fields), endpoint)
             jobs.append(job)
             return job
 
@@ -49,9 +49,11 @@ def answer(job: Job, pieces: list[str], reason: str = "stop") -> None:
 
 
 async def first_job(jobs: list[Job]) -> Job:
-    while not jobs:
+    for _ in range(2000):  # 10 s: a handler that fails before making its job fails the test, not the suite
+        if jobs:
+            return jobs[0]
         await asyncio.sleep(0.005)
-    return jobs[0]
+    raise AssertionError("the handler made no job")
 
 
 def chunks(text: str) -> list[dict]:

@@ -1,0 +1,114 @@
+"""llama-server's surface where the worker matters, on the bundled model:
+logit_bias text keys tokenized as llama-server tokenizes them, post-sampling
+probabilities read from the sampler chain, a draft model's counts in
+timings, the server's sampling defaults, and the overflow error with the
+worker's own counts. The HTTP side is in
+tests/integration/test_compat_llama_server.py."""
+
+from __future__ import annotations
+
+import math
+import re
+
+import pytest
+
+pytestmark = pytest.mark.e2e
+
+PROMPT = "The capital of France is"
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory, bundled_model):
+    """The bundled model drafting for itself, two slots of 512 tokens, the server's defaults set."""
+    from tests.conftest import DaemonProcess
+
+    tmp = tmp_path_factory.mktemp("compat")
+    d = DaemonProcess("--model", bundled_model, "--model-draft", bundled_model, "--threads", "2", "--ctx-size",
+                      "1024", "--parallel", "2", "--sleep-idle-seconds", "-1", "--n-predict", "6", "--temp", "0",
+                      "--draft-p-min", "0.5", log_path=tmp / "daemon.log")
+    d.wait_state("ready", timeout=180)
+    yield d
+    d.stop()
+
+
+def post(d, path: str, **body) -> dict:
+    response = d.http.post(path, json=body)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def tokens_of(d, text: str, add_special: bool = False) -> list[int]:
+    return post(d, "/tokenize", content=text, add_special=add_special)["tokens"]
+
+
+def test_text_keys_bias_the_tokens_of_their_text(daemon):
+    london = tokens_of(daemon, " London")  # as llama-server tokenizes a key: no BOS, no special tokens
+    by_text = post(daemon, "/completion", prompt=PROMPT, n_predict=3, return_tokens=True,
+                   logit_bias={" London": 100})["tokens"]
+    by_ids = post(daemon, "/completion", prompt=PROMPT, n_predict=3, return_tokens=True,
+                  logit_bias=[[t, 100] for t in london])["tokens"]
+    assert by_text == by_ids and by_text[0] in london  # +100 on its tokens: one of them comes first
+    plain = post(daemon, "/completion", prompt=PROMPT, n_predict=3, return_tokens=True)["tokens"]
+    assert plain != by_text
+    # false bans: the greedy first token, banned by its text, is not chosen first.
+    text = post(daemon, "/detokenize", tokens=[plain[0]])["content"]
+    assert tokens_of(daemon, text) == [plain[0]], text
+    banned = post(daemon, "/completion", prompt=PROMPT, n_predict=3, return_tokens=True,
+                  logit_bias=[[text, False]])["tokens"]
+    assert plain[0] not in banned
+
+
+def test_post_sampling_probs_are_the_chains_distribution(daemon):
+    sampled = dict(prompt=PROMPT, n_predict=4, n_probs=5, temperature=1.0, top_k=3, top_p=1.0, min_p=0.0, seed=5)
+    post_probs = post(daemon, "/completion", post_sampling_probs=True, **sampled)["completion_probabilities"]
+    raw = post(daemon, "/completion", **sampled)["completion_probabilities"]
+    assert len(post_probs) == len(raw) == 4
+    for after, before in zip(post_probs, raw):
+        assert after["id"] == before["id"]  # the same seed draws the same tokens
+        kept = after["top_probs"]
+        assert 1 <= len(kept) <= 3  # top_k 3: no other candidate survives the chain
+        assert math.isclose(sum(k["prob"] for k in kept), 1.0, abs_tol=1e-4)
+        assert [k["id"] for k in kept] == [t["id"] for t in before["top_logprobs"][:len(kept)]]
+        mine = next(k["prob"] for k in kept if k["id"] == after["id"])
+        assert math.isclose(after["prob"], mine, rel_tol=1e-6)
+        # Renormalized over fewer candidates: each keeps at least its share of the whole vocabulary.
+        assert after["prob"] >= math.exp(before["logprob"]) - 1e-6
+    greedy = post(daemon, "/completion", prompt=PROMPT, n_predict=2, n_probs=3, post_sampling_probs=True,
+                  temperature=0)["completion_probabilities"]
+    assert all(e["prob"] == 1.0 and e["top_probs"] == [{"id": e["id"], "token": e["token"], "bytes": e["bytes"],
+                                                        "prob": 1.0}] for e in greedy)
+
+
+def test_draft_counts_are_in_timings(daemon):
+    for path, body in (("/completion", {"prompt": PROMPT, "n_predict": 16}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Count to ten."}],
+                                                 "max_tokens": 16})):
+        timings = post(daemon, path, **body)["timings"]
+        assert timings["draft_n"] > 0 and 0 <= timings["draft_n_accepted"] <= timings["draft_n"], (path, timings)
+    assert all(s["speculative"] for s in daemon.http.get("/slots").json())
+
+
+def test_server_defaults_apply_to_requests_that_leave_them_out(daemon):
+    native = post(daemon, "/completion", prompt=PROMPT, ignore_eos=True)
+    assert native["tokens_predicted"] == 6 and native["generation_settings"]["temperature"] == 0
+    text = post(daemon, "/v1/completions", prompt=PROMPT, ignore_eos=True)
+    assert text["usage"]["completion_tokens"] == 6
+    greedy = post(daemon, "/v1/completions", prompt=PROMPT, max_tokens=6, temperature=0)["choices"][0]["text"]
+    assert text["choices"][0]["text"] == greedy  # --temp 0: greedy unless asked otherwise
+    props = daemon.http.get("/props").json()["default_generation_settings"]
+    assert props["params"]["n_predict"] == 6 and props["n_ctx"] == 512
+    assert re.fullmatch(r"b[0-9.]+-[0-9a-f]{8}", text["system_fingerprint"])
+
+
+def test_overflow_on_completion_counts_the_prompt_as_llama_server(daemon):
+    prompt = "hello there " * 300
+    counted = len(tokens_of(daemon, prompt, add_special=True))
+    assert counted > 512
+    response = daemon.http.post("/completion", json={"prompt": prompt})
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert error["type"] == "exceed_context_size_error" and error["code"] == 400
+    assert error["n_prompt_tokens"] == counted and error["n_ctx"] == 512
+    listed = daemon.http.post("/completion", json={"prompt": [1] * 600}).json()["error"]
+    assert (listed["n_prompt_tokens"], listed["n_ctx"]) == (600, 512)
+    assert post(daemon, "/completion", prompt=PROMPT, n_predict=1)["stop"] is True

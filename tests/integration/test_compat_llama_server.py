@@ -1,0 +1,444 @@
+"""Dormouse as a drop-in for llama-server (issue 17, section 7): requests in
+llama-server's shapes, on its routes, and the fields it answers with, on a
+fake worker speaking the real protocol (tests/fixtures/compat_fake_worker.py
+records what reached the worker). What needs the real model (text keys
+tokenized, post-sampling probabilities computed, a draft model's counts) is
+in tests/e2e/test_compat_llama_server_e2e.py."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import re
+from contextlib import asynccontextmanager
+
+import pytest
+
+from config import ConfigError, load_settings
+from tests.conftest import fake_daemon
+from tests.integration.test_http_hardening import error_of, ready
+
+COMPAT = "tests.fixtures.compat_fake_worker"
+ASK = [{"role": "user", "content": "hi"}]
+# ctx_size 256 over 4 slots: a request without a limit ends at 64 tokens, quickly.
+SMALL = {"worker_module": COMPAT, "ctx_size": 256}
+
+
+@pytest.fixture
+def submits(tmp_path, monkeypatch):
+    """What each Submit asked of the worker, in order (its SamplingParams as builtins)."""
+    path = tmp_path / "submits.jsonl"
+    monkeypatch.setenv("FAKE_SUBMIT_LOG", str(path))
+    monkeypatch.setenv("FAKE_TOKEN_SECONDS", "0.001")
+
+    def read() -> list[dict]:
+        return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+    return read
+
+
+@asynccontextmanager
+async def compat(**overrides):
+    async with fake_daemon(**{**SMALL, **overrides}) as (controller, client):
+        await ready(controller)
+        yield controller, client
+
+
+async def sse(response) -> list[dict]:
+    assert response.status == 200, await response.text()
+    lines = (await response.text()).split("\n\n")
+    return [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
+
+
+# -- routes: each beside its /v1/ form -------------------------------------------
+
+
+async def test_unversioned_aliases_answer_as_their_v1_forms(submits):
+    async with compat() as (controller, client):
+        chat = await client.post("/chat/completions", json={"messages": ASK, "max_tokens": 2})
+        assert chat.status == 200 and (await chat.json())["object"] == "chat.completion"
+        text = await client.post("/completions", json={"prompt": "hi", "max_tokens": 2})
+        assert text.status == 200 and (await text.json())["object"] == "text_completion"
+        listed = await (await client.get("/models")).json()
+        assert listed == await (await client.get("/v1/models")).json() and listed["data"][0]["id"] == "fake"
+        health = await client.get("/v1/health")
+        assert health.status == 200 and (await health.json())["status"] == "ok"
+
+
+async def test_v1_health_is_a_probe_behind_the_metrics_key():
+    async with compat(metrics_key="m", api_key="k") as (controller, client):
+        assert (await client.get("/v1/health")).status == 401
+        assert (await client.get("/v1/health", headers={"Authorization": "Bearer m"})).status == 200
+
+
+def test_system_fingerprint_follows_the_model_file_not_the_process(tmp_path):
+    from daemon.http.shapes import _fingerprint, system_fingerprint
+
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"GGUF" + b"a" * 4096)
+    first = system_fingerprint(str(model))
+    _fingerprint.cache_clear()  # as a restart
+    assert system_fingerprint(str(model)) == first
+    copy = tmp_path / "copy.gguf"
+    copy.write_bytes(model.read_bytes())
+    assert system_fingerprint(str(copy)) == first  # the same build of the same file
+    model.write_bytes(b"GGUF" + b"b" * 4096)
+    assert system_fingerprint(str(model)) != first
+
+
+async def test_embeddings_alias():
+    async with compat(embeddings=True) as (controller, client):
+        response = await client.post("/embeddings", json={"input": ["a", "b"]})
+        body = await response.json()
+        assert response.status == 200 and [d["index"] for d in body["data"]] == [0, 1], body
+
+
+async def test_aliases_keep_their_keys_and_probes():
+    async with compat(api_key="k") as (controller, client):
+        for path, body in (("/chat/completions", {"messages": ASK}), ("/completions", {"prompt": "x"}),
+                           ("/embeddings", {"input": "x"})):
+            assert (await client.post(path, json=body)).status == 401, path
+        assert (await client.get("/models")).status == 401
+        assert (await client.get("/v1/models/fake")).status == 401
+        assert (await client.get("/v1/health")).status == 200  # a probe, as /health
+        keyed = await client.post("/chat/completions", json={"messages": ASK, "max_tokens": 1},
+                                  headers={"Authorization": "Bearer k"})
+        assert keyed.status == 200
+
+
+async def test_one_model_by_id_or_alias_and_404_in_openai_shape():
+    async with fake_daemon(worker_module=COMPAT, models={"chat": {"aliases": ["gpt-4o-mini"]}, "other": {}}) as (
+            fleet, client):
+        one = await (await client.get("/v1/models/chat")).json()
+        listed = (await (await client.get("/v1/models")).json())["data"][0]
+        assert one["id"] == "chat" and one["object"] == "model" and one.keys() == listed.keys()
+        assert (await (await client.get("/v1/models/gpt-4o-mini")).json())["id"] == "chat"
+        for name in ("nope", "x" * 5000, "a/b/c", "%00"):
+            error = await error_of(await client.get(f"/v1/models/{name}"), 404)
+            assert error["code"] == "model_not_found" and error["type"] == "not_found_error", name
+
+
+# -- logit_bias: [[id, bias]] lists, text keys, false bans -------------------------
+
+
+async def test_logit_bias_lists_text_keys_and_bans_reach_the_worker(submits):
+    async with compat() as (controller, client):
+        for body in ({"logit_bias": [[15, 2.5], ["Hello", -1], [7, False]]},
+                     {"logit_bias": {"15": 2.5, "Hello": -1, "7": False}}):
+            response = await client.post("/completion", json={"prompt": "hi", "n_predict": 1, **body})
+            assert response.status == 200, await response.text()
+        for params in submits():
+            assert params["logit_bias"] == {"15": 2.5, "7": -math.inf}
+            assert params["logit_bias_text"] == [["Hello", -1.0]]
+
+
+async def test_a_list_pair_of_digits_is_text_and_an_object_key_of_digits_an_id(submits):
+    async with compat() as (controller, client):
+        await client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1, "logit_bias": [["42", 1]]})
+        await client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1, "logit_bias": {"42": 1}})
+        listed, keyed = submits()
+        assert listed.get("logit_bias", {}) == {} and listed["logit_bias_text"] == [["42", 1.0]]
+        assert keyed["logit_bias"] == {"42": 1.0} and "logit_bias_text" not in keyed
+
+
+async def test_logit_bias_entries_for_one_token_add_up(submits):
+    async with compat() as (controller, client):
+        await client.post("/chat/completions", json={"messages": ASK, "max_tokens": 1,
+                                                     "logit_bias": [[3, 1], [3, 2.5], [4, False], [4, 3]]})
+        assert submits()[0]["logit_bias"] == {"3": 3.5, "4": -math.inf}
+
+
+HOSTILE_BIAS = [
+    ([[1]], "pairs"),
+    ([[1, 2, 3]], "pairs"),
+    ([1, 2], "pairs"),
+    ([[True, 1]], "a bias is a number"),
+    ([[1, True]], "a bias is a number"),
+    ({"1": True}, "a bias is a number"),
+    ([[1, 101]], "[-100, 100]"),
+    ({"Hello": -1000}, "[-100, 100]"),
+    ([[1, "a lot"]], "logit_bias"),
+    ([["", 1]], "logit_bias"),
+    ([["x" * 257, 1]], "logit_bias"),
+    ({"x" * 257: 1}, "1 to 256 characters"),
+    ({"": 1}, "1 to 256 characters"),
+    ({"-5": 1}, "token ids"),
+    ({"+5": 1}, "token ids"),
+    ({"²": 1}, "token ids"),
+    ([[-1, 1]], "logit_bias"),
+    ([[2**31, 1]], "logit_bias"),
+    ({str(i): 1 for i in range(1025)}, "at most 1024"),
+    ([[i, 1] for i in range(1025)], "at most 1024"),
+    ([[i, 1] for i in range(40_000)], "at most 1024"),
+    ("Hello", "logit_bias"),
+    (5, "logit_bias"),
+    ([[[[[[1]]]]]], "logit_bias"),
+    ({"1": {"2": 3}}, "logit_bias"),
+]
+
+
+@pytest.mark.parametrize("bias,needle", HOSTILE_BIAS, ids=[repr(b)[:40] for b, _ in HOSTILE_BIAS])
+async def test_hostile_logit_bias_is_400_naming_it_on_every_route(bias, needle):
+    async with compat() as (controller, client):
+        for path, body in (("/completion", {"prompt": "x"}), ("/v1/chat/completions", {"messages": ASK}),
+                           ("/completions", {"prompt": "x"})):
+            error = await error_of(await client.post(path, json={**body, "logit_bias": bias}), 400)
+            assert error["param"].startswith("logit_bias") and needle in error["message"], (path, error)
+        assert (await client.post("/completion", json={"prompt": "x", "n_predict": 1})).status == 200
+
+
+async def test_deeply_nested_logit_bias_is_refused_as_json():
+    async with compat() as (controller, client):
+        raw = '{"prompt": "x", "logit_bias": ' + "[" * 100_000 + "]" * 100_000 + "}"
+        response = await client.post("/completion", data=raw, headers={"Content-Type": "application/json"})
+        error = await error_of(response, 400)
+        assert error["code"] == "invalid_json" or error["param"] == "logit_bias", error
+        assert (await client.post("/completion", json={"prompt": "x", "n_predict": 1})).status == 200
+
+
+# -- /completion: n_probs with post_sampling_probs, tokens / return_tokens --------
+
+
+async def test_n_probs_are_logprobs_and_post_sampling_probs_are_probabilities(submits):
+    async with compat() as (controller, client):
+        plain = await (await client.post("/completion", json={"prompt": "hi", "n_predict": 3, "n_probs": 2})).json()
+        entry = plain["completion_probabilities"][0]
+        assert set(entry) == {"id", "token", "bytes", "logprob", "top_logprobs"}
+        assert set(entry["top_logprobs"][0]) == {"id", "token", "bytes", "logprob"} and len(entry["top_logprobs"]) == 2
+        post = await (await client.post("/completion", json={"prompt": "hi", "n_predict": 3, "n_probs": 2,
+                                                             "post_sampling_probs": True})).json()
+        assert len(post["completion_probabilities"]) == 3
+        for entry in post["completion_probabilities"]:
+            assert set(entry) == {"id", "token", "bytes", "prob", "top_probs"}
+            assert 0 < entry["prob"] <= 1 and len(entry["top_probs"]) == 2
+            probs = [t["prob"] for t in entry["top_probs"]]
+            assert probs == sorted(probs, reverse=True) and sum(probs) <= 1 + 1e-9
+            assert set(entry["top_probs"][0]) == {"id", "token", "bytes", "prob"}
+        settings = post["generation_settings"]
+        assert settings["post_sampling_probs"] is True and settings["n_probs"] == 2
+        first, second = submits()
+        assert first["logprobs"] == 2 and not first.get("post_sampling_probs")
+        assert second["logprobs"] == 2 and second["post_sampling_probs"] is True
+
+
+async def test_post_sampling_probs_without_n_probs_asks_for_nothing(submits):
+    async with compat() as (controller, client):
+        body = await (await client.post("/completion", json={"prompt": "hi", "n_predict": 2,
+                                                             "post_sampling_probs": True})).json()
+        assert "completion_probabilities" not in body
+        assert "logprobs" not in submits()[0] and not submits()[0].get("post_sampling_probs")
+
+
+async def test_post_sampling_probs_stream(submits):
+    async with compat() as (controller, client):
+        chunks = await sse(await client.post("/completion", json={"prompt": "hi", "n_predict": 2, "n_probs": 1,
+                                                                  "post_sampling_probs": True, "stream": True}))
+        probs = [c["completion_probabilities"][0] for c in chunks if c.get("completion_probabilities")]
+        assert len(probs) == 2 and all("prob" in e and "top_probs" in e for e in probs)
+        assert chunks[-1]["stop"] is True and chunks[-1]["generation_settings"]["post_sampling_probs"] is True
+
+
+async def test_return_tokens_gives_the_generated_ids(submits):
+    async with compat() as (controller, client):
+        body = await (await client.post("/completion", json={"prompt": "hi", "n_predict": 3,
+                                                             "return_tokens": True})).json()
+        assert body["tokens"] == [100, 101, 102] and "completion_probabilities" not in body
+        assert submits()[0]["logprobs"] == 0  # the ids travel with the chosen token's entry
+        plain = await (await client.post("/completion", json={"prompt": "hi", "n_predict": 3})).json()
+        assert plain["tokens"] == [] and "logprobs" not in submits()[1]
+        chunks = await sse(await client.post("/completion", json={"prompt": "hi", "n_predict": 3, "stream": True,
+                                                                  "return_tokens": True}))
+        assert [t for c in chunks for t in c["tokens"]] == [100, 101, 102] and chunks[-1]["tokens"] == []
+        assert all(c["index"] == 0 for c in chunks)
+
+
+async def test_native_answer_has_llama_servers_fields():
+    async with compat() as (controller, client):
+        body = await (await client.post("/completion", json={"prompt": "hi", "n_predict": 2, "temperature": 0.5,
+                                                             "top_k": 7})).json()
+        for key in ("index", "content", "tokens", "stop", "model", "tokens_predicted", "tokens_evaluated",
+                    "generation_settings", "has_new_line", "truncated", "stop_type", "tokens_cached", "timings"):
+            assert key in body, key
+        settings = body["generation_settings"]
+        assert settings["temperature"] == 0.5 and settings["top_k"] == 7 and settings["n_predict"] == 2
+        assert settings["samplers"] == ["penalties", "top_k", "top_p", "min_p", "temperature"]
+
+
+@pytest.mark.parametrize("fields,param", [
+    ({"post_sampling_probs": "maybe"}, "post_sampling_probs"),
+    ({"return_tokens": 5}, "return_tokens"),
+    ({"return_tokens": [True]}, "return_tokens"),
+    ({"n_probs": 21}, "n_probs"),
+    ({"n_probs": -1}, "n_probs"),
+    ({"n_predict": -2}, "n_predict"),
+    ({"n_predict": 2**40}, "n_predict"),
+    ({"max_tokens": 0}, "max_tokens"),
+    ({"seed": -2}, "seed"),
+    ({"seed": 2**64}, "seed"),
+    ({"temperature": "hot"}, "temperature"),
+])
+async def test_hostile_native_fields_are_400_naming_them(fields, param):
+    async with compat() as (controller, client):
+        error = await error_of(await client.post("/completion", json={"prompt": "x", **fields}), 400)
+        assert error["param"] == param and param in error["message"], error
+
+
+async def test_wrong_content_type_on_the_aliases_is_415():
+    async with compat() as (controller, client):
+        for path in ("/chat/completions", "/completions", "/embeddings"):
+            response = await client.post(path, data=b'{"prompt": "x"}', headers={"Content-Type": "text/plain"})
+            assert response.status == 415, path
+
+
+# -- system_fingerprint and draft timings ------------------------------------------
+
+
+async def test_system_fingerprint_on_bodies_and_every_chunk_and_stable():
+    async with compat() as (controller, client):
+        seen = set()
+        for path, body in (("/v1/chat/completions", {"messages": ASK}), ("/v1/completions", {"prompt": "hi"})):
+            answer = await (await client.post(path, json={**body, "max_tokens": 2})).json()
+            seen.add(answer["system_fingerprint"])
+            chunks = await sse(await client.post(path, json={**body, "max_tokens": 2, "stream": True,
+                                                             "stream_options": {"include_usage": True}}))
+            seen.update(c["system_fingerprint"] for c in chunks)
+        assert len(seen) == 1 and re.fullmatch(r"b[0-9.]+-[0-9a-f]{8}", seen.pop())
+
+
+async def test_timings_carry_draft_counts_when_a_draft_proposed(monkeypatch, submits):
+    async with compat() as (controller, client):
+        plain = await (await client.post("/completion", json={"prompt": "hi", "n_predict": 2})).json()
+        assert "draft_n" not in plain["timings"] and "draft_n_accepted" not in plain["timings"]
+    monkeypatch.setenv("FAKE_DRAFTED", "5")
+    async with compat() as (controller, client):
+        for path, body in (("/completion", {"prompt": "hi", "n_predict": 2}),
+                           ("/v1/chat/completions", {"messages": ASK, "max_tokens": 2})):
+            timings = (await (await client.post(path, json=body)).json())["timings"]
+            assert timings["draft_n"] == 5 and timings["draft_n_accepted"] == 4, (path, timings)
+        chunks = await sse(await client.post("/v1/chat/completions", json={"messages": ASK, "max_tokens": 2,
+                                                                           "stream": True}))
+        assert [c["timings"]["draft_n"] for c in chunks if "timings" in c] == [5]
+
+
+# -- /props, /slots, /models/load ----------------------------------------------------
+
+
+async def test_props_default_generation_settings_are_the_servers():
+    async with compat(n_predict=12, seed=7, temperature=0.3) as (controller, client):
+        props = await (await client.get("/props")).json()
+        settings = props["default_generation_settings"]
+        assert settings["n_ctx"] == 64
+        params = settings["params"]
+        assert params["n_predict"] == 12 and params["max_tokens"] == 12 and params["seed"] == 7
+        assert params["temperature"] == 0.3 and params["top_k"] == 40 and params["n_probs"] == 0
+    async with compat() as (controller, client):
+        params = (await (await client.get("/props")).json())["default_generation_settings"]["params"]
+        assert params["n_predict"] == -1 and params["seed"] == -1 and params["temperature"] == 0.8
+
+
+async def test_slots_say_is_processing_beside_the_state(monkeypatch):
+    monkeypatch.setenv("FAKE_TOKEN_SECONDS", "0.05")
+    async with compat(parallel=2, model_draft=None) as (controller, client):
+        asleep = await (await client.get("/slots")).json()
+        assert [s["is_processing"] for s in asleep] == [False, False]
+        assert all(s["n_ctx"] == 128 and s["speculative"] is False for s in asleep)
+        pending = asyncio.create_task(client.post("/completion", json={"prompt": "hi", "n_predict": 20}))
+        for _ in range(200):
+            slots = await (await client.get("/slots")).json()
+            if any(s["is_processing"] for s in slots):
+                break
+            await asyncio.sleep(0.01)
+        assert [(s["state"] != "idle", s["is_processing"]) for s in slots] == [(True, True), (False, False)]
+        props = await (await client.get("/props")).json()
+        assert props["slots"][0]["is_processing"] is True
+        assert (await pending).status == 200
+
+
+async def test_models_load_and_unload_answer_success():
+    async with fake_daemon(worker_module=COMPAT, models={"a": {}, "b": {}}) as (fleet, client):
+        loaded = await client.post("/models/load", json={"model": "b"})
+        body = await loaded.json()
+        assert loaded.status == 200 and body["success"] is True and body["state"] == "ready", body
+        unloaded = await client.post("/models/unload", json={"model": "b"})
+        body = await unloaded.json()
+        assert unloaded.status == 200 and body["success"] is True and body["state"] == "sleeping", body
+        error = await error_of(await client.post("/models/load", json={"model": "nope"}), 404)
+        assert error["code"] == "model_not_found"
+        assert (await client.post("/models/load", json={})).status == 400
+
+
+# -- server-wide sampling defaults ---------------------------------------------------
+
+
+async def test_requests_without_a_limit_take_the_servers_n_predict(submits):
+    async with compat(n_predict=5, seed=7, temperature=0.3) as (controller, client):
+        native = await (await client.post("/completion", json={"prompt": "hi"})).json()
+        assert native["tokens_predicted"] == 5
+        text = await (await client.post("/v1/completions", json={"prompt": "hi"})).json()
+        assert text["usage"]["completion_tokens"] == 5
+        chat = await (await client.post("/chat/completions", json={"messages": ASK})).json()
+        assert chat["usage"]["completion_tokens"] == 5
+        for params in submits():
+            assert (params["max_tokens"], params["seed"], params["temperature"]) == (5, 7, 0.3)
+        # A request's own values win.
+        await client.post("/completion", json={"prompt": "hi", "n_predict": 2, "seed": 1, "temperature": 0})
+        await client.post("/completion", json={"prompt": "hi", "max_tokens": 3, "seed": -1})
+        await client.post("/v1/chat/completions", json={"messages": ASK, "max_completion_tokens": 4})
+        own, alias, chat_own = submits()[3:]
+        assert (own["max_tokens"], own["seed"], own["temperature"]) == (2, 1, 0.0)
+        assert alias["max_tokens"] == 3 and "seed" not in alias  # -1: random, as llama-server
+        assert chat_own["max_tokens"] == 4
+
+
+async def test_without_n_predict_each_dialect_keeps_its_default(submits):
+    async with compat(ctx_size=512) as (controller, client):
+        await client.post("/completion", json={"prompt": "hi"})
+        await client.post("/v1/completions", json={"prompt": "hi"})
+        await client.post("/v1/chat/completions", json={"messages": ASK})
+        native, text, chat = submits()
+        assert native["max_tokens"] == 512  # -1: ctx_size (the worker stops at the slot's end)
+        assert text.get("max_tokens", 256) == 256 and chat.get("max_tokens", 256) == 256  # OpenAI's routes: 256
+        assert "seed" not in native and native.get("temperature", 0.8) == 0.8
+    async with compat(n_predict=-1, ctx_size=512) as (controller, client):
+        await client.post("/v1/completions", json={"prompt": "hi"})
+        assert submits()[-1]["max_tokens"] == 512  # every route: to the slot's end
+
+
+def test_sampling_defaults_as_settings_flags_and_their_bounds(monkeypatch, capsys):
+    from daemon.cli import main
+
+    assert main(["check-config", "--n-predict", "9", "--seed", "4", "--temp", "0.2"]) == 0
+    shown = json.loads(capsys.readouterr().out)["settings"]
+    assert (shown["n_predict"], shown["seed"], shown["temperature"]) == (9, 4, 0.2)
+    monkeypatch.setenv("DORMOUSE_TEMPERATURE", "0.1")
+    assert load_settings().temperature == 0.1
+    for cli, needle in (({"n_predict": 0}, "n_predict"), ({"n_predict": -2}, "n_predict"),
+                        ({"seed": 2**32}, "seed"), ({"seed": -2}, "seed"), ({"temperature": 3}, "temperature"),
+                        ({"temperature": -0.1}, "temperature")):
+        with pytest.raises(ConfigError, match=needle):
+            load_settings(cli=cli)
+
+
+# -- the context overflow, in llama-server's shape on its own route --------------------
+
+
+async def test_overflow_on_completion_is_llama_servers_error():
+    async with compat() as (controller, client):
+        response = await client.post("/completion", json={"prompt": "OVERFLOW"})
+        assert response.status == 400
+        error = (await response.json())["error"]
+        assert error == {"code": 400, "type": "exceed_context_size_error", "n_prompt_tokens": 9000, "n_ctx": 1024,
+                         "message": error["message"]}
+        assert "9000 tokens" in error["message"] and "1024 tokens" in error["message"]
+        more = (await (await client.post("/completion", json={"prompt": "OVERFLOW_MORE"})).json())["error"]
+        assert (more["n_prompt_tokens"], more["n_ctx"]) == (1025, 1024) and "more than 1024 tokens" in more["message"]
+        # A worker message without counts (the plain fake's): the slot's size, and more than it.
+        listed = (await (await client.post("/completion", json={"prompt": "FAIL"})).json())["error"]
+        assert listed["type"] == "exceed_context_size_error" and listed["n_prompt_tokens"] == 65
+        assert listed["n_ctx"] == 64
+        # The OpenAI routes keep OpenAI's shape.
+        openai = await error_of(await client.post("/v1/completions", json={"prompt": "OVERFLOW"}), 400)
+        assert openai["code"] == "context_length_exceeded" and openai["type"] == "invalid_request_error"
+        # And the daemon serves on.
+        assert (await client.post("/completion", json={"prompt": "hi", "n_predict": 1})).status == 200
