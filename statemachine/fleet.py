@@ -21,6 +21,11 @@ a load request for one model should do. The answer is one of:
   per device, so two cold models never load at once and run out of memory),
   or pinned models that do sleep when idle hold the room. The owner asks
   again when anything changes; the request's wait is bounded.
+- ShrinkCaches(budgets): the prompt caches' RAM tiers of the resident models
+  (counted in the budget on CPU: the same RAM the models use) can make room
+  without evicting any model: lower those tiers to these bytes, least
+  recently used models' first, then ask again. A cache is shrunk before a
+  model is evicted; an eviction frees its model's cache too.
 - Refuse(reason, code): it can never fit: bigger than the whole budget, or
   bigger than what is left beside the models that never leave (pinned and
   never sleeping). Waiting could only block the loads behind it, so the
@@ -39,8 +44,11 @@ from typing import Iterable, Mapping, Sequence
 
 from statemachine.states import ServerState as S
 
-LOADING_STATES = frozenset({S.LOADING, S.WAKING})
+LOADING_STATES = frozenset({S.LOADING, S.WAKING, S.ROUSING})  # a rouse allocates the contexts again
 LEAVING_STATES = frozenset({S.UNLOADING, S.STOPPING})
+# Idle and holding memory: READY (all of it), DROWSY (the weights), LIGHT_SLEEP (on CPU, the
+# page cache of its files: the same RAM the budget is of). An eviction frees what it holds.
+RESTING_STATES = frozenset({S.READY, S.DROWSY, S.LIGHT_SLEEP})
 
 
 @dataclass(frozen=True)
@@ -53,11 +61,21 @@ class ModelView:
     busy: bool = False  # requests in flight or waiting
     pinned: bool = False  # never evicted
     sleeps_when_idle: bool = True  # its idle timer is armed (sleep_idle_seconds >= 0)
+    # What it holds of the budget now, when not all of `bytes` (the sleep tiers: drowsy
+    # holds the weights, light on CPU the page cache of its files); None: `bytes`.
+    held: int | None = None
+    # Bytes of its prompt cache's RAM tier that count in the budget (on CPU; 0 on a GPU,
+    # whose budget is not host RAM): held on top of the above, and freed by a shrink alone.
+    cache: int = 0
+
+    @property
+    def holding(self) -> int:
+        return (self.bytes if self.held is None else self.held) + self.cache
 
     @property
     def evictable(self) -> bool:
-        """May be put to sleep now to make room."""
-        return self.resident and self.state is S.READY and not self.busy and not self.pinned
+        """May be put to sleep now to make room (an eviction frees what it holds)."""
+        return self.resident and self.state in RESTING_STATES and not self.busy and not self.pinned
 
     @property
     def drainable(self) -> bool:
@@ -87,6 +105,11 @@ class Drain:
 
 
 @dataclass(frozen=True)
+class ShrinkCaches:
+    budgets: tuple[tuple[str, int], ...]  # (model, the bytes its RAM tier may hold from now on)
+
+
+@dataclass(frozen=True)
 class Wait:
     reason: str
 
@@ -97,7 +120,7 @@ class Refuse:
     code: str = "model_too_large"
 
 
-Decision = StartNow | EvictFirst | Drain | Wait | Refuse
+Decision = StartNow | EvictFirst | ShrinkCaches | Drain | Wait | Refuse
 
 
 def mib(n: int) -> str:
@@ -106,7 +129,7 @@ def mib(n: int) -> str:
 
 def named(models: Iterable[ModelView]) -> str:
     """'a (4096 MiB), b (2048 MiB)': the models in the way, with what they hold."""
-    return ", ".join(f"{m.id} ({mib(m.bytes)})" for m in models)
+    return ", ".join(f"{m.id} ({mib(m.holding)})" for m in models)
 
 
 def described(models: Iterable[ModelView]) -> str:
@@ -114,7 +137,7 @@ def described(models: Iterable[ModelView]) -> str:
     def tags(m: ModelView) -> str:
         return ", ".join(t for t, on in (("pinned", m.pinned), ("busy", m.busy), ("idle", not m.busy),
                                          ("never sleeps", not m.sleeps_when_idle)) if on)
-    return ", ".join(f"{m.id} ({mib(m.bytes)}, {tags(m)})" for m in models)
+    return ", ".join(f"{m.id} ({mib(m.holding)}, {tags(m)})" for m in models)
 
 
 def fewest_to_free(candidates: Sequence[ModelView], need: int) -> tuple[ModelView, ...] | None:
@@ -128,7 +151,7 @@ def fewest_to_free(candidates: Sequence[ModelView], need: int) -> tuple[ModelVie
     ones, makes room; the rest is chosen the same way among the older ones."""
     if need <= 0:
         return ()
-    largest_first = accumulate(sorted((m.bytes for m in candidates), reverse=True))
+    largest_first = accumulate(sorted((m.holding for m in candidates), reverse=True))
     size = next((k for k, freed in enumerate(largest_first, 1) if freed >= need), None)
     if size is None:
         return None
@@ -138,12 +161,29 @@ def fewest_to_free(candidates: Sequence[ModelView], need: int) -> tuple[ModelVie
         if need <= 0:
             return []
         for j in range(k - 1, len(pool)):
-            older = sorted((m.bytes for m in pool[:j]), reverse=True)[:k - 1]
-            if pool[j].bytes + sum(older) >= need:
-                return choose(pool[:j], k - 1, need - pool[j].bytes) + [pool[j]]
+            older = sorted((m.holding for m in pool[:j]), reverse=True)[:k - 1]
+            if pool[j].holding + sum(older) >= need:
+                return choose(pool[:j], k - 1, need - pool[j].holding) + [pool[j]]
         raise AssertionError("unreachable: a set of this size makes room")  # pragma: no cover
 
     return tuple(choose(oldest_first, size, need))
+
+
+def shrink_caches(candidates: Sequence[ModelView], need: int) -> tuple[tuple[str, int], ...] | None:
+    """The RAM tiers' new budgets that free `need` bytes, least recently used
+    models' caches first, each lowered only as far as needed; None when all of
+    them together are not enough (then models go, and their caches with them)."""
+    caches = sorted((m for m in candidates if m.cache > 0), key=lambda m: (m.last_used, m.id))
+    if not caches or sum(m.cache for m in caches) < need:
+        return None
+    budgets = []
+    for m in caches:
+        if need <= 0:
+            break
+        cut = min(m.cache, need)
+        budgets.append((m.id, m.cache - cut))
+        need -= cut
+    return tuple(budgets)
 
 
 def plan_load(target: str, models: Mapping[str, ModelView], budget: int) -> Decision:
@@ -155,7 +195,7 @@ def plan_load(target: str, models: Mapping[str, ModelView], budget: int) -> Deci
     if want.bytes > budget:
         return Refuse(f"model {target} needs {mib(want.bytes)}, more than the whole memory budget of {mib(budget)}")
     staying = [m for m in others if m.never_leaves]
-    room_beside_staying = budget - sum(m.bytes for m in staying)
+    room_beside_staying = budget - sum(m.holding - m.cache for m in staying)  # their caches can be shrunk
     if want.bytes > room_beside_staying:
         return Refuse(f"model {target} needs {mib(want.bytes)}; of the memory budget of {mib(budget)}, "
                       f"{mib(room_beside_staying)} is left beside pinned models that never sleep: {named(staying)} "
@@ -163,13 +203,16 @@ def plan_load(target: str, models: Mapping[str, ModelView], budget: int) -> Deci
     loading = [m.id for m in others if m.state in LOADING_STATES]
     if loading:
         return Wait(f"one load at a time: {loading[0]} is loading")
-    free = budget - sum(m.bytes for m in others)
+    free = budget - sum(m.holding for m in others)
     if want.bytes <= free:
         return StartNow()
     going = [m for m in others if m.state in LEAVING_STATES]
-    need = want.bytes - free - sum(m.bytes for m in going)
+    need = want.bytes - free - sum(m.holding for m in going)
     if need <= 0:
         return Wait(f"waiting for {', '.join(m.id for m in going)} to finish going to sleep")
+    shrunk = shrink_caches([m for m in others if m.state not in LEAVING_STATES], need)
+    if shrunk is not None:
+        return ShrinkCaches(shrunk)
     idle = [m for m in others if m.evictable]
     victims = fewest_to_free(idle, need)
     if victims is not None:
@@ -178,7 +221,7 @@ def plan_load(target: str, models: Mapping[str, ModelView], budget: int) -> Deci
     # idle ones are not evicted yet (they may serve meanwhile, and the fewest
     # victims are chosen again once the drained ones are idle).
     short = f"model {target} needs {mib(want.bytes)}; {mib(free)} of the memory budget of {mib(budget)} is free"
-    drained = fewest_to_free([m for m in others if m.drainable], need - sum(m.bytes for m in idle))
+    drained = fewest_to_free([m for m in others if m.drainable], need - sum(m.holding for m in idle))
     if drained is not None:
         return Drain(tuple(m.id for m in drained),
                      f"{short}; waiting for busy {named(drained)} to finish the requests in flight "

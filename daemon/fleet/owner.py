@@ -24,23 +24,28 @@ and wait at most wake_timeout (then 503 with Retry-After).
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from daemon import protocol as p
 from daemon.model.controller import Controller
 from daemon.fleet.metrics import FleetMetrics
 from statemachine import (Event, LoadNotAdmitted, RequestFinished, ServerState, SleepCompleted, SleepRequested,
                           WorkerExited, WorkerLoadFailed)
-from statemachine.fleet import Drain, EvictFirst, ModelView, Refuse, StartNow, Wait, plan_load
+from statemachine.fleet import Drain, EvictFirst, ModelView, Refuse, ShrinkCaches, StartNow, Wait, plan_load
 
 S = ServerState
 # A model holds memory in these states whether or not the fleet admitted it
 # (a worker is up: serving, tearing down, or draining at shutdown).
 HOLDING = frozenset({S.READY, S.UNLOADING, S.STOPPING})
 STATUS = {S.STARTING: "sleeping", S.LOADING: "loading", S.WAKING: "loading", S.READY: "loaded",
-          S.UNLOADING: "unloading", S.SLEEPING: "sleeping", S.FAILED: "failed", S.STOPPING: "unloading"}
+          S.UNLOADING: "unloading", S.SLEEPING: "sleeping", S.FAILED: "failed", S.STOPPING: "unloading",
+          # The router's names have no tiers: drowsy is still loaded (the weights are), light is asleep.
+          S.DOZING: "loaded", S.DROWSY: "loaded", S.ROUSING: "loading", S.LIGHT_SLEEP: "sleeping"}
+WEIGHTS = ("model", "draft_model", "mmproj")  # the components a drowsy worker keeps
 RETRY_AFTER_NO_ROOM = 5.0
 WORKER_GONE = (SleepCompleted, WorkerExited, WorkerLoadFailed)
 
@@ -64,6 +69,10 @@ class FleetModel:
     measured_components: dict[str, int] | None = None
     last_used: float = 0.0  # monotonic time its last request ended, or it last loaded
     admitted: bool = False  # allowed to load; cleared when its worker is gone
+    # The prompt cache's RAM tier (daemon/worker/prompt_cache.py): the budget the fleet lowered it
+    # to in this worker (None: its setting), and the worker's last report once that worker is gone.
+    cache_limit: int | None = None
+    cache_report_gone: Any = None
 
     @property
     def bytes(self) -> int:
@@ -106,6 +115,7 @@ class Fleet:
         self._held_for: dict[str, str] = {}  # model whose new requests are held -> the model it drains for
         self._gave_up: dict[str, tuple[str, float]] = {}  # model -> (why, when) its last admission timed out
         self._changed = asyncio.Event()
+        self._file_bytes: dict[str, int] = {}
         self._most_loading = 0
         for m in models:
             self._attach(m)
@@ -212,11 +222,16 @@ class Fleet:
             if not head.waited:
                 head.waited = True
                 self.metrics.admission_waits.labels(model=model_id).inc()
+            if isinstance(decision, ShrinkCaches):
+                if self._shrink_caches(decision, model_id):
+                    continue  # the room is there now: plan again (StartNow)
+                break  # nothing lowered (cannot happen: every budget is below what is held); do not spin
             if isinstance(decision, EvictFirst):
                 self._last_wait[model_id] = f"putting {', '.join(decision.victims)} to sleep"
                 for victim in decision.victims:
-                    self.log.info("fleet.evict", model=victim, for_model=model_id)
-                    self.models[victim].controller.post(SleepRequested(0, reason="evict"))
+                    tier = self.evict_tier(self.models[victim])
+                    self.log.info("fleet.evict", model=victim, for_model=model_id, tier=tier)
+                    self.models[victim].controller.post(SleepRequested(0, reason="evict", tier=tier))
             elif isinstance(decision, Drain):
                 self._last_wait[model_id] = decision.reason
                 head.drained.update(decision.models)
@@ -250,13 +265,85 @@ class Fleet:
         views = {}
         for m in self.models.values():
             state = m.controller.state
-            views[m.id] = ModelView(m.id, m.bytes, m.admitted or state in HOLDING, state, m.last_used,
+            resident, held = m.admitted or state in HOLDING, None
+            if state in (S.DOZING, S.DROWSY, S.ROUSING):
+                resident, held = True, self.weight_bytes(m)  # the contexts are gone (dozing: going)
+                if state is not S.DROWSY:
+                    held = m.bytes  # until the doze is done, or once the rouse begins: all of it
+            elif state is S.LIGHT_SLEEP:
+                # Its files' pages are RAM: on CPU that is the budget's; on a GPU they are not the GPU's.
+                held = 0 if self.on_gpu(m) else self.file_bytes(m)
+                resident = held > 0
+            cache = self.cache_bytes(m) if state in HOLDING and not self.on_gpu(m) else 0
+            views[m.id] = ModelView(m.id, m.bytes, resident, state, m.last_used,
                                     busy=m.controller.machine.busy, pinned=m.pinned,
-                                    sleeps_when_idle=m.controller.machine.policy.idle_seconds >= 0)
+                                    sleeps_when_idle=m.controller.machine.policy.idle_seconds >= 0, held=held,
+                                    cache=cache)
         return views
 
+    # -- the prompt caches' RAM tiers -----------------------------------------------------
+
+    @staticmethod
+    def cache_bytes(model: FleetModel) -> int:
+        """What its worker's RAM tier holds, as its last answer said (the tier grows only while
+        it serves, so a load planned now sees it), at most the budget the fleet lowered it to."""
+        report = model.controller.metrics.prompt_cache
+        if report is model.cache_report_gone:  # said by a worker that has exited since
+            return 0
+        held = int((report or {}).get("ram", {}).get("bytes", 0) or 0)
+        return held if model.cache_limit is None else min(held, model.cache_limit)
+
+    def _shrink_caches(self, decision: ShrinkCaches, for_model: str) -> bool:
+        """Lower the RAM tiers the planner named (the worker drops its least recently used
+        entries between two decode steps; they are on disk already). True if any was lowered."""
+        lowered = False
+        for model_id, budget in decision.budgets:
+            model = self.models[model_id]
+            if model.cache_limit is not None and model.cache_limit <= budget:
+                continue
+            model.cache_limit = budget
+            lowered = True
+            self.log.info("fleet.shrink_prompt_cache", model=model_id, for_model=for_model, budget_bytes=budget)
+            # Out of band, as a Cancel: not a request (the idle timer and the busy flag are not touched);
+            # its Answer matches no job and is dropped.
+            model.controller.supervisor.send(
+                p.Query(f"fleet-shrink-{model_id}-{time.monotonic_ns()}", "prompt_cache_shrink", tokens=[budget]))
+        return lowered
+
+    # -- what each tier holds ----------------------------------------------------------
+
+    def file_bytes(self, model: FleetModel) -> int:
+        """The sizes of its files (a light model's page cache; a drowsy one's weights when unmeasured)."""
+        if model.id not in self._file_bytes:
+            total = 0
+            for path in model.controller.model_files:
+                try:
+                    total += os.stat(path).st_size
+                except OSError:
+                    pass
+            self._file_bytes[model.id] = total
+        return self._file_bytes[model.id]
+
+    def weight_bytes(self, model: FleetModel) -> int:
+        if model.measured_components:
+            return sum(v for k, v in model.measured_components.items() if k in WEIGHTS)
+        return min(model.bytes, self.file_bytes(model)) or model.bytes
+
+    @staticmethod
+    def on_gpu(model: FleetModel) -> bool:
+        c = model.controller
+        return c.settings.n_gpu_layers != 0 and c.nvml.available
+
+    def evict_tier(self, model: FleetModel) -> str:
+        """The tier an eviction puts a model in: the shallowest that frees all it holds of the
+        budget. On a GPU a light sleep does (its pages are host RAM) when the model has the light
+        tier at all; on CPU the page cache is the budget's, so deep."""
+        if self.on_gpu(model):
+            return model.controller.machine.policy.sleep_tier
+        return "deep"
+
     def planned_bytes(self) -> int:
-        return sum(v.bytes for v in self.views().values() if v.resident)
+        return sum(v.holding for v in self.views().values() if v.resident)
 
     def _update_gauges(self) -> None:
         loading = sum(1 for m in self.models.values() if m.admitted and m.controller.state in (S.LOADING, S.WAKING))
@@ -281,10 +368,12 @@ class Fleet:
                 # during its teardown goes from UNLOADING straight to WAKING, and must
                 # not count as holding memory while it queues for its next admission.
                 model.admitted = False
+                # And its RAM tier: the next worker starts one empty, with the tier's own budget.
+                model.cache_limit, model.cache_report_gone = None, controller.metrics.prompt_cache
             self._changed.set()
 
         def on_state(before: S, after: S) -> None:
-            if after in (S.SLEEPING, S.FAILED):
+            if after in (S.SLEEPING, S.FAILED, S.LIGHT_SLEEP):
                 model.admitted = False  # its worker is gone, and so is its memory
             if after is S.UNLOADING and isinstance(controller.machine.last_event, SleepRequested) \
                     and controller.machine.last_event.reason == "evict":
@@ -317,7 +406,9 @@ class Fleet:
     # -- what /v1/models and the CLI show -----------------------------------------------------
 
     def describe(self, model: FleetModel) -> dict[str, Any]:
+        c = model.controller
         return {"id": model.id, "aliases": list(model.aliases), "status": model.status,
-                "state": str(model.controller.state), "pinned": model.pinned,
+                "state": str(c.state), "tier": c.machine.tier if c.state is not S.READY else None,
+                "pinned": model.pinned,
                 "footprint_bytes": {"predicted": model.predicted_bytes, "measured": model.measured_bytes},
                 "default": model.id == self.default}

@@ -171,12 +171,13 @@ def _unlink(dir_fd: int, name: str) -> None:
 
 # -- one file --
 
-def write_file(directory: Path, header: KvHeader, state: bytes) -> Path:
+def write_file(directory: Path, header: KvHeader, state: bytes, name: str | None = None) -> Path:
     """Atomically: a reader sees the old file, or the whole new one. The header is
-    sealed here (its checksum set to seal()). Raises OSError, UnsafeDirectory included."""
+    sealed here (its checksum set to seal()). `name`: a name of the caller's
+    (POST /slots save), else the hash of the tokens. Raises OSError, UnsafeDirectory included."""
     sealed = msgspec.structs.replace(header, checksum=seal(header, state))
     body = msgspec.msgpack.encode(sealed)
-    name = tokens_name(header.tokens)
+    name = name or tokens_name(header.tokens)
     temporary = f".{name}.{os.getpid()}.tmp"
     with _directory(directory, create=True) as dir_fd:
         try:
@@ -195,7 +196,7 @@ def write_file(directory: Path, header: KvHeader, state: bytes) -> Path:
     return directory / name
 
 
-def _read_header(f: BinaryIO, name: str) -> tuple[KvHeader, int]:
+def _read_header(f: BinaryIO, name: str, named: bool = True) -> tuple[KvHeader, int]:
     size = os.fstat(f.fileno()).st_size
     prefix = f.read(PREFIX.size)
     if len(prefix) < PREFIX.size:
@@ -216,29 +217,30 @@ def _read_header(f: BinaryIO, name: str) -> tuple[KvHeader, int]:
     if size != offset + header.state_bytes:
         raise KvFileError("truncated", f"{name}: {size - offset} state bytes, the header says {header.state_bytes}")
     try:
-        named = tokens_name(header.tokens)
+        own = tokens_name(header.tokens)
     except struct.error:
         raise KvFileError("corrupt", f"{name}: token ids outside int32") from None
-    if named != name:
-        raise KvFileError("corrupt", f"{name}: holds the tokens of {named}, not its own")
+    if named and own != name:
+        raise KvFileError("corrupt", f"{name}: holds the tokens of {own}, not its own")
     return header, offset
 
 
-def read_header(path: Path) -> tuple[KvHeader, int]:
-    """The header and the offset of the state bytes; checks everything but the checksum."""
+def read_header(path: Path, named: bool = True) -> tuple[KvHeader, int]:
+    """The header and the offset of the state bytes; checks everything but the
+    checksum. named=False: a file named by the caller (a slot file), not by its tokens."""
     try:
         with _directory(path.parent) as dir_fd, _open_file(dir_fd, path.name) as f:
-            return _read_header(f, path.name)
+            return _read_header(f, path.name, named)
     except OSError as exc:
         raise KvFileError("unreadable", f"{path.name}: {exc.strerror or exc}") from None
 
 
-def read_state(path: Path, header: KvHeader, offset: int) -> bytes:
+def read_state(path: Path, header: KvHeader, offset: int, named: bool = True) -> bytes:
     """The state bytes, if the file still holds `header` (read again here: the
     file may have been replaced since) and its seal holds over header and state."""
     try:
         with _directory(path.parent) as dir_fd, _open_file(dir_fd, path.name) as f:
-            found, found_offset = _read_header(f, path.name)
+            found, found_offset = _read_header(f, path.name, named)
             state = f.read(found.state_bytes)  # the file is at the state's offset
     except OSError as exc:
         raise KvFileError("unreadable", f"{path.name}: {exc.strerror or exc}") from None

@@ -10,7 +10,6 @@ only the rest of the prompt is decoded (llama-server's prompt cache).
 from __future__ import annotations
 
 import ctypes
-import sys
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -74,14 +73,12 @@ class Engine:
             self.speculator = Speculator(runtime.draft_ctx, runtime.draft_model, spec.parallel, spec.batch_size,
                                          spec.draft_max, spec.draft_min, spec.draft_p_min)
         self.end_of_turn = self._single_tokens(END_OF_TURN_MARKERS)
-        self.saved = None  # prompt caches saved at the last sleep, restored on demand
-        if runtime.spec.kv_dir and runtime.spec.kv_disk_bytes > 0:
-            from daemon.worker.kv_cache import SavedPrompts
+        self.saved = None  # the prompt cache's RAM and disk tiers (prompt_cache.py); None: both off
+        if not runtime.spec.embeddings:
+            from daemon.worker.prompt_cache import PromptCache
 
-            try:
-                self.saved = SavedPrompts(self.ctx, runtime.model, runtime.spec, self.reuse)
-            except OSError as exc:  # the state directory is unreadable: serve without it
-                print(f"dormouse worker: saved prompt caches unavailable: {exc}", file=sys.stderr, flush=True)
+            cache = PromptCache(self.ctx, runtime.model, runtime.spec, self.reuse)
+            self.saved = cache if cache.enabled else None
         self.embeddings_only = runtime.spec.embeddings
         self.embedding_work: deque[EmbeddingWork] = deque()
         self.n_embd = llama.llama_model_n_embd(runtime.model)
@@ -115,7 +112,7 @@ class Engine:
     def query(self, msg: p.Query) -> None:
         """One-step work, answered at once (between decode steps); embeddings
         are queued and computed one input per step."""
-        if msg.kind == "embed":
+        if msg.kind in ("embed", "rerank"):
             self._queue_embeddings(msg)
             return
         try:
@@ -141,6 +138,15 @@ class Engine:
             if images:
                 raise RequestError("/apply-template renders text only: the messages have images")
             return p.Answer(msg.request_id, text=text)
+        if msg.kind in ("slot_save", "slot_restore", "slot_erase"):  # POST /slots/{id} (llama-server's)
+            from daemon.worker.prompt_cache_slots import slot_action
+
+            return slot_action(self, msg)
+        if msg.kind == "prompt_cache_shrink":  # the fleet, before it evicts a model: tokens = [RAM tier budget]
+            if len(msg.tokens) != 1 or msg.tokens[0] < 0:
+                raise RequestError("prompt_cache_shrink takes one budget in bytes")
+            held = self.saved.shrink(msg.tokens[0]) if self.saved is not None else 0
+            return p.Answer(msg.request_id, tokens=[held])
         if msg.kind == "count_chat":  # the prompt tokens a chat request with these messages and tools reads
             text, images = self.chat_prompt(msg)
             if images:
@@ -155,26 +161,57 @@ class Engine:
             self.emit(p.Answer(msg.request_id, error="this model was not loaded for embeddings: set embeddings = true "
                                "in its settings (or start with --embeddings)", error_code="embeddings_not_enabled"))
             return
+        try:
+            self._check_pooling(msg)
+        except RequestError as exc:
+            self.emit(p.Answer(msg.request_id, error=str(exc), error_code=exc.code))
+            return
+        if not msg.inputs:
+            self.emit(p.Answer(msg.request_id))
+            return
         self.embedding_work.append(EmbeddingWork(msg))
 
+    def _check_pooling(self, msg: p.Query) -> None:
+        """A reranker (pooling = rank) answers rerank only, any other embeddings model embed only."""
+        from daemon.worker.embeddings import RERANK_TEMPLATE_KEY, check_reranker
+
+        ranks = self.rt.spec.pooling == "rank"
+        if msg.kind == "embed" and ranks:
+            raise RequestError("this model is a reranker (pooling = \"rank\"): it scores query and document "
+                               "pairs at /v1/rerank, it has no embeddings")
+        if msg.kind == "rerank":
+            if not ranks:
+                raise RequestError("this model was not loaded as a reranker: set embeddings = true and "
+                                   "pooling = \"rank\" in its settings")
+            check_reranker(self.rt.model, self.vocab, self.rt.spec.model, self.rt.meta(RERANK_TEMPLATE_KEY))
+
     def _embed_next(self) -> None:
-        """Embed the next input of the oldest embeddings request; answer it after its last."""
-        from daemon.worker.embeddings import embed
+        """Embed (or score, for rerank) the next input of the oldest embeddings request; answer it after its last."""
+        from daemon.worker.embeddings import RERANK_TEMPLATE_KEY, embed, pooled, rerank_tokens
 
         work = self.embedding_work[0]
         item = work.msg.inputs[len(work.vectors)]
         limit = min(self.n_batch, self.n_ctx_slot)  # one decode, within one sequence's context
         try:
-            if isinstance(item, str):
-                tokens = self.prompt_tokens_within(item, limit, what="it")
+            if work.msg.kind == "rerank":  # the query and this document, scored by the classifier head
+                if not isinstance(item, str):
+                    raise RequestError("a document is text, not token ids")
+                tokens = rerank_tokens(self.vocab, work.msg.text, item, limit, self.rt.meta(RERANK_TEMPLATE_KEY),
+                                       lambda text, n: self.prompt_tokens_within(text, n, False, what="it"))
+                vector = pooled(self.ctx, self.batch, limit, max(1, llama.llama_model_n_cls_out(self.rt.model)), tokens)
             else:
-                self._check_vocab(item)
-                tokens = list(item)
-            work.vectors.append(embed(self.ctx, self.batch, limit, self.n_embd, tokens))
+                if isinstance(item, str):
+                    tokens = self.prompt_tokens_within(item, limit, what="it")
+                else:
+                    self._check_vocab(item)
+                    tokens = list(item)
+                vector = embed(self.ctx, self.batch, limit, self.n_embd, tokens)
+            work.vectors.append(vector)
             work.read += len(tokens)
         except RequestError as exc:
             self.embedding_work.popleft()
-            self.emit(p.Answer(work.msg.request_id, error=f"input {len(work.vectors)}: {exc}",
+            what = "document" if work.msg.kind == "rerank" else "input"
+            self.emit(p.Answer(work.msg.request_id, error=f"{what} {len(work.vectors)}: {exc}",
                                error_code=exc.code or "invalid_request"))
             return
         if len(work.vectors) == len(work.msg.inputs):
@@ -256,15 +293,27 @@ class Engine:
                         content += part.text or ""
             contents.append(content)
         try:
-            text = self.chat.render(template_messages(msg.messages, contents), tools=msg.tools)
+            prompt = self.chat.prompt(template_messages(msg.messages, contents), tools=msg.tools,
+                                      add_generation_prompt=msg.add_generation_prompt,
+                                      continue_final=msg.continue_final, kwargs=msg.chat_template_kwargs)
         except ChatTemplateError as exc:
             raise RequestError(str(exc)) from exc
+        text = prompt.text
+        # The answer starts inside a thinking block: said on the request's first Tokens (reasoning_open).
+        self.prompt_reasoning_open = prompt.reasoning_open
         if self.add_bos and self.chat.bos_token and text.startswith(self.chat.bos_token):
             text = text[len(self.chat.bos_token) :]  # the tokenizer adds BOS itself
         return text, images
 
     def prompt_tokens(self, msg: p.Submit) -> list[int]:
         """A completion's prompt as token ids (chat prompts go through chat_prompt)."""
+        if msg.infill is not None:  # fill-in-the-middle: built from the model's FIM tokens
+            from daemon.worker.fim import infill_prompt, model_label
+
+            return infill_prompt(self.vocab, msg.infill, n_batch=self.n_batch, n_ctx=self.n_ctx_slot,
+                                 n_predict=msg.params.max_tokens, add_bos=self.add_bos,
+                                 prompt_tokens=lambda text, limit: self.prompt_tokens_within(text, limit, False),
+                                 model_name=model_label(self.rt.spec.model))
         if isinstance(msg.prompt, list):
             try:
                 self._check_vocab(msg.prompt)
@@ -309,12 +358,15 @@ class Engine:
             except Exception as exc:  # noqa: BLE001 - a bug in one request's setup fails that request only
                 self.emit(p.Done(msg.request_id, "error", error=f"internal error: {exc!r}", error_code="internal_error"))
                 continue
+            restored = (0, 0.0, "", None, "")
             if msg.cache_prompt:
                 slot = choose_slot(idle, tokens, lambda s: self.keepable(s, tokens))
-                restored = self.saved.restore(slot, tokens, self.keepable(slot, tokens)) if self.saved is not None \
-                    else (0, 0.0, "", None)
+                if self.saved is not None:  # the best of RAM and disk, when it beats the slot; the slot's prefix kept
+                    restored = self.saved.before_assign(slot, tokens, self.keepable(slot, tokens))
             else:  # the client asked for a fresh read: the least recently used slot, nothing kept
-                slot, restored = min(idle, key=least_recently_used), (0, 0.0, "", None)
+                slot = min(idle, key=least_recently_used)
+                if self.saved is not None:
+                    self.saved.stash(slot, 0)  # what it held still serves its own conversation later
             self._assign(slot, msg, tokens, sampler, self.keepable(slot, tokens) if msg.cache_prompt else 0)
             job = slot.job
             if msg.n > 1:  # the other choices' slots wait, least recently used first, for the prompt's KV
@@ -322,10 +374,14 @@ class Engine:
                 job.group = Choices(msg.n, job, others)
                 for other in others:
                     other.reserved_for = job.group
-            job.restored_tokens, job.restore_seconds, job.kv_lookup, job.kv_rejected = restored
+            job.restored_tokens, job.restore_seconds, job.kv_lookup, job.kv_rejected, job.cache_tier = restored
             job.restored_tokens = min(job.restored_tokens, job.n_cached)  # the last token is decoded again
             if job.kv_lookup == "hit" and not job.restored_tokens:  # llama.cpp held less than predicted: no help
-                job.kv_lookup = "miss"
+                job.kv_lookup, job.cache_tier = "miss", ""
+            if not job.cache_tier and job.n_cached:
+                job.cache_tier = "slot"
+            if self.saved is not None:
+                self.saved.counted(job.cache_tier, job.n_cached)
             if msg.messages is not None:
                 slot.job.end_tokens = self.end_of_turn
 
@@ -634,6 +690,9 @@ class Engine:
                 restore_seconds=job.restore_seconds,
                 kv_lookup=job.kv_lookup,
                 kv_rejected=job.kv_rejected,
+                cache_tier=job.cache_tier,
+                stopping_word=job.stops.matched,
+                prompt_cache=self.saved.summary() if self.saved is not None else {},
             )
         )
 

@@ -37,6 +37,7 @@ class Job:
     restore_seconds: float = 0.0
     kv_lookup: str = ""
     kv_rejected: str | None = None
+    cache_tier: str = ""  # where n_cached came from: slot, ram, disk
     logprobs: list = field(default_factory=list)  # p.TokenLogprob of tokens not yet sent
     index: int = 0  # the choice, with n > 1
     group: "Choices | None" = None  # with n > 1: the request's choices

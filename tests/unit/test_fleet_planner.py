@@ -212,3 +212,40 @@ def test_random_fleets(seed):
         assert loading or held + want > budget  # it does not fit now
         if not loading and need > 0:
             assert sum(m.bytes for m in idle + drainable) < need  # neither evicting nor draining would be enough
+
+
+# -- the sleep tiers: what a drowsy or light model holds -----------------------------
+
+
+def drowsy(id: str, size: float, weights: float, last_used: float = 0, **kw) -> ModelView:
+    return ModelView(id, int(size * GiB), True, S.DROWSY, last_used, held=int(weights * GiB), **kw)
+
+
+def light(id: str, size: float, pages: float, last_used: float = 0, **kw) -> ModelView:
+    return ModelView(id, int(size * GiB), pages > 0, S.LIGHT_SLEEP, last_used, held=int(pages * GiB), **kw)
+
+
+def test_a_drowsy_model_counts_its_weights_only():
+    # 4 GiB awake, 3 GiB of weights: 7 GiB fit in 10 beside it, 8 do not.
+    assert plan_load("b", fleet(drowsy("a", 4, 3), asleep("b", 7)), 10 * GiB) == StartNow()
+    assert plan_load("b", fleet(drowsy("a", 4, 3), asleep("b", 8)), 10 * GiB) == EvictFirst(("a",))
+
+
+def test_a_light_model_on_cpu_counts_its_page_cache_and_is_evicted_to_deep():
+    assert plan_load("b", fleet(light("a", 4, 2), asleep("b", 9)), 10 * GiB) == EvictFirst(("a",))
+    assert plan_load("b", fleet(light("a", 4, 2), asleep("b", 8)), 10 * GiB) == StartNow()
+
+
+def test_a_light_model_on_a_gpu_holds_nothing_of_the_budget():
+    assert plan_load("b", fleet(light("a", 4, 0), asleep("b", 10)), 10 * GiB) == StartNow()
+
+
+def test_the_fewest_victims_are_chosen_by_what_they_hold_now():
+    # Freeing 3 GiB: the drowsy model's 3 GiB of weights do it alone; the ready 2 GiB one cannot.
+    models = fleet(drowsy("a", 5, 3, last_used=2), loaded("c", 2, last_used=1), asleep("b", 8))
+    assert plan_load("b", models, 10 * GiB) == EvictFirst(("a",))
+
+
+def test_a_rousing_model_is_a_load_under_way():
+    rousing = ModelView("a", 4 * GiB, True, S.ROUSING, 0)
+    assert isinstance(plan_load("b", fleet(rousing, asleep("b", 1)), 10 * GiB), Wait)

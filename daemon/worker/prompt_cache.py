@@ -1,0 +1,397 @@
+"""The prompt cache in three tiers: the slots, host RAM, disk.
+
+When a slot is given to another prompt, the prefix it held goes to the RAM
+tier (`prompt_cache_ram_bytes`); a prompt looks for the entry that lets it
+keep the most (longest common prefix, within the reuse rule) across its
+slot, the RAM tier and the disk tier, restores it and reads only the rest.
+
+The RAM tier stores entries by block (prompt_blocks.py): the positions of a
+full-attention cache in blocks keyed by a chained hash of their tokens, so a
+prefix that several entries share (a system prompt, a conversation's earlier
+turns) is held once; a window cache stays with its entry. An entry whose
+tokens are a prefix of a new one is dropped (the new one restores all it
+did). Least recently used entries go first when the tier is over budget.
+
+Every entry is also written to the disk tier (kv_cache.SavedPrompts: the
+sealed files of daemon/model/kv_files.py, kept within `kv_cache_disk_bytes`)
+by one writer thread, so that a sleep, an eviction or a shutdown only waits
+for what is still queued, and a wake or a restart finds them there. The
+writer joins the blocks itself: the decode thread pays for one copy out of
+llama.cpp and one into the blocks, never for a file.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import queue
+import sys
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from daemon import protocol as p
+from daemon.worker import prompt_blocks as blocks
+from daemon.worker.kv_cache import SavedPrompts, best_entry, load_state, slot_state
+from daemon.worker.llama_lib import llama
+from daemon.worker.reuse import ReuseRule
+from daemon.worker.slot import Slot
+
+WRITE_QUEUE = 16  # entries waiting for the disk at most; past it a write is skipped (counted), never waited for
+FLUSH_SECONDS = 10.0  # a sleep waits this long at most for the queued writes (teardown_timeout is 15 s)
+TIERS = ("slot", "ram", "disk")
+
+
+@dataclass
+class Entry:
+    tokens: list[int]
+    parts: list  # the state's prefix bytes, then per cache: block keys (list[bytes]), or owned Cells / bytes
+    own_bytes: int  # bytes no other entry shares (the window cache, a state kept whole)
+    state_bytes: int  # the state's size once joined
+
+
+@dataclass
+class Counts:
+    hits: dict[str, int] = field(default_factory=lambda: dict.fromkeys(TIERS, 0))
+    restored_tokens: dict[str, int] = field(default_factory=lambda: dict.fromkeys(TIERS, 0))
+    misses: int = 0
+    evictions: dict[str, int] = field(default_factory=lambda: {"ram": 0, "disk": 0})
+    write_errors: int = 0
+    writes_skipped: int = 0
+    written_bytes: int = 0
+    files_written: int = 0
+
+
+class RamTier:
+    """Entries by block, within a byte budget. Runs on the decode thread only."""
+
+    def __init__(self, budget: int, rule: ReuseRule) -> None:
+        self.budget = budget
+        self.rule = rule
+        self.entries: OrderedDict[int, Entry] = OrderedDict()  # id(entry) -> entry, least recently used first
+        self.store: dict[bytes, list] = {}  # block key -> [Cells, entries using it]
+        self.bytes = 0
+        self.evictions = 0
+
+    def best(self, tokens: list[int]) -> tuple[Entry | None, int]:
+        return best_entry(self.rule, self.entries.values(), tokens)
+
+    def holds(self, tokens: list[int]) -> bool:
+        return any(len(e.tokens) >= len(tokens) and e.tokens[:len(tokens)] == tokens for e in self.entries.values())
+
+    def put(self, tokens: list[int], state: np.ndarray) -> Entry | None:
+        """Store a state; the entry, or None when it cannot fit at all."""
+        if len(state) > self.budget:
+            return None
+        try:
+            parsed = blocks.parse(state)
+        except blocks.UnknownLayout:
+            parsed = None
+        if parsed is None:
+            entry = Entry(list(tokens), [state.copy()], len(state), len(state))
+        else:
+            entry = self._blocked(tokens, parsed, len(state))
+        for old in [e for e in self.entries.values()
+                    if len(e.tokens) < len(tokens) and tokens[:len(e.tokens)] == e.tokens]:
+            self._drop(old)  # superseded: the new entry restores all it did
+        self.entries[id(entry)] = entry
+        self.bytes += entry.own_bytes
+        while self.bytes > self.budget and self.entries:
+            oldest = next(iter(self.entries.values()))
+            self._drop(oldest)
+            self.evictions += 1
+            if oldest is entry:
+                return None
+        return entry
+
+    def _blocked(self, tokens: list[int], parsed: blocks.Parsed, size: int) -> Entry:
+        parts: list = [parsed.prefix]
+        own = len(parsed.prefix)
+        for index, cache in enumerate(parsed.caches):
+            if isinstance(cache, bytes) or not cache.full() or len(cache.meta) != len(tokens):
+                owned = cache if isinstance(cache, bytes) else cache.take(0, len(cache.meta))
+                parts.append(owned)
+                own += len(owned) if isinstance(owned, bytes) else owned.nbytes
+                continue
+            n_blocks = -(-len(tokens) // blocks.BLOCK)
+            keys = [bytes([index]) + k for k in blocks.block_keys(tokens, n_blocks)]
+            for i, key in enumerate(keys):
+                held = self.store.get(key)
+                if held is None:  # a new block: its own copy (it must not keep this whole state alive)
+                    block = cache.take(i * blocks.BLOCK, min((i + 1) * blocks.BLOCK, len(tokens)))
+                    self.store[key] = held = [block, 0]
+                    self.bytes += block.nbytes
+                held[1] += 1
+            parts.append(keys)
+        return Entry(list(tokens), parts, own, size)
+
+    def _drop(self, entry: Entry) -> None:
+        del self.entries[id(entry)]
+        self.bytes -= entry.own_bytes
+        for part in entry.parts[1:]:
+            if isinstance(part, list):
+                for key in part:
+                    held = self.store[key]
+                    held[1] -= 1
+                    if held[1] == 0:
+                        del self.store[key]
+                        self.bytes -= held[0].nbytes
+
+    def caches(self, entry: Entry) -> list:
+        """The entry's parts as join_into takes them (the blocks themselves: a
+        writer holding this list keeps them alive whatever the tier drops)."""
+        out = []
+        for part in entry.parts:
+            if isinstance(part, list):
+                out.append([self.store[key][0] for key in part])
+            elif isinstance(part, blocks.Cells):
+                out.append([part])
+            else:
+                out.append(part)
+        return out
+
+    def touch(self, entry: Entry) -> None:
+        self.entries.move_to_end(id(entry))
+
+    def summary(self) -> dict[str, int]:
+        return {"entries": len(self.entries), "blocks": len(self.store), "bytes": self.bytes,
+                "budget_bytes": self.budget, "evictions": self.evictions,
+                "prefixes": sorted((len(e.tokens) for e in self.entries.values()), reverse=True)[:32]}
+
+
+def _give_back_freed_memory() -> None:
+    """Return the freed blocks' pages to the system (glibc keeps freed heap memory for reuse
+    otherwise, and the fleet counted it as given back)."""
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
+
+
+def joined(caches: list, scratch: np.ndarray | None = None) -> np.ndarray:
+    """The state of an entry's parts, in `scratch` when it is large enough: a
+    buffer used again has no page to fault in (a fresh one costs as much as
+    the copy itself)."""
+    if len(caches) == 1 and isinstance(caches[0], np.ndarray):
+        return caches[0]  # a state kept whole
+    size = blocks.state_size(caches)
+    out = scratch[:size] if scratch is not None and len(scratch) >= size else np.empty(size, np.uint8)
+    blocks.join_into(out, caches)
+    return out
+
+
+class PromptCache:
+    """The tiers together, as the engine sees them (engine.saved)."""
+
+    def __init__(self, ctx: ctypes.c_void_p, model: ctypes.c_void_p, spec: p.ModelSpec, rule: ReuseRule) -> None:
+        self.ctx = ctx
+        self.rule = rule
+        self.min_tokens = spec.kv_min_tokens
+        self.ram = RamTier(spec.prompt_cache_ram_bytes, rule) if spec.prompt_cache_ram_bytes > 0 else None
+        self.disk = None
+        self.rejected_at_load: dict[str, int] = {}
+        if spec.kv_dir and spec.kv_disk_bytes > 0:
+            try:
+                self.disk = SavedPrompts(ctx, model, spec, rule)
+                self.rejected_at_load = dict(self.disk.rejected_at_load)
+            except OSError as exc:  # the state directory is unreadable: serve without it
+                print(f"dormouse worker: saved prompt caches unavailable: {exc}", file=sys.stderr, flush=True)
+        self.counts = Counts()
+        self.writes: queue.Queue = queue.Queue(WRITE_QUEUE)
+        self.writer: threading.Thread | None = None
+        self.timings = {"ram_save": [0, 0.0], "ram_restore": [0, 0.0], "disk_restore": [0, 0.0]}  # bytes, seconds
+        self._scratch = np.empty(0, np.uint8)  # restores from RAM join into it
+        self._taken = np.empty(0, np.uint8)  # saves are taken out of llama.cpp into it
+
+    @property
+    def enabled(self) -> bool:
+        return self.ram is not None or self.disk is not None
+
+    # -- before a slot is given to a prompt ---------------------------------------
+
+    def before_assign(self, slot: Slot, tokens: list[int], live: int) -> tuple[int, float, str, str | None, str]:
+        """Restore the best entry of RAM or disk into `slot` when it keeps more
+        than the `live` tokens the slot may keep, having stashed what the slot
+        held if it would be lost. Returns (tokens restored, seconds, lookup,
+        rejected reason, tier); lookup is "hit", "miss", or "" (not looked)."""
+        start = time.perf_counter()
+        # A restore must keep at least what is worth an entry (kv_min_tokens): not a whole state
+        # read and loaded to keep the BOS token or a template header that a fresh read gets at once.
+        found, keep, tier = None, max(live, self.min_tokens - 1), ""
+        if len(tokens) >= self.min_tokens:
+            if self.ram is not None:
+                entry, n = self.ram.best(tokens)
+                if entry is not None and n > keep:
+                    found, keep, tier = entry, n, "ram"
+            if self.disk is not None:
+                entry, n = self.disk.best(tokens)
+                if entry is not None and n > keep:
+                    found, keep, tier = entry, n, "disk"
+        if found is None:
+            self.stash(slot, live)
+            lookup = "miss" if len(tokens) >= self.min_tokens and live < self.min_tokens else ""
+            if lookup:
+                self.counts.misses += 1
+            return 0, 0.0, lookup, None, ""
+        self.stash(slot, 0)
+        rejected = self._restore(slot, found, tier)
+        if rejected is not None or not slot.cache:
+            self.counts.misses += 1
+            return 0, time.perf_counter() - start, "miss", rejected, ""
+        return len(slot.cache), time.perf_counter() - start, "hit", None, tier
+
+    def counted(self, tier: str, restored: int) -> None:
+        """A request's prompt kept `restored` tokens from `tier` (after the engine's trim)."""
+        if tier:
+            self.counts.hits[tier] += 1
+            self.counts.restored_tokens[tier] += restored
+
+    def _restore(self, slot: Slot, entry, tier: str) -> str | None:
+        start = time.perf_counter()
+        if tier == "ram":
+            if len(self._scratch) < entry.state_bytes:  # grows to the largest entry restored, kept for the next
+                self._scratch = np.empty(entry.state_bytes, np.uint8)
+            state = joined(self.ram.caches(entry), self._scratch)
+            ok = load_state(self.ctx, self.rule, slot, entry.tokens, state)
+            self.ram.touch(entry)
+            self._time("ram_restore", len(state), start)
+            return None if ok else "corrupt"
+        rejected = self.disk.load(slot, entry)
+        if rejected is None:
+            self._time("disk_restore", entry.state_bytes, start)
+        return rejected
+
+    def _time(self, what: str, size: int, start: float) -> None:
+        record = self.timings[what]
+        record[0] += size
+        record[1] += time.perf_counter() - start
+
+    def stash(self, slot: Slot, keep: int) -> None:
+        """Keep the slot's prefix in RAM (and queue it for disk) before it is
+        cut to `keep` tokens, when what would be lost is worth an entry."""
+        n = len(slot.cache)
+        if n - keep < self.min_tokens or self.ram is None and self.disk is None:
+            return  # the slot keeps most of it: nothing worth an entry would be lost
+        if self.rule.deterministic and keep > self.rule.savable(slot.exact):
+            return  # saving would cut cells the next prompt keeps
+        tokens = slot.cache[:slot.cache.index(-1)] if -1 in slot.cache else slot.cache
+        if self.ram is not None and self.ram.holds(tokens):
+            return
+        start = time.perf_counter()
+        if self.ram is not None and len(self._taken) < self.ram.budget:  # the size of a slot's state at most
+            size = llama.llama_state_seq_get_size(self.ctx, slot.id)
+            if len(self._taken) < size <= self.ram.budget:  # grows to the largest state saved, kept for the next
+                self._taken = np.empty(size, np.uint8)
+        taken = slot_state(self.ctx, self.rule, slot, self.min_tokens, self._largest(), out=self._taken)
+        if taken is None:
+            return
+        tokens, state = taken  # a view of self._taken when it was large enough: copied before it is kept
+        entry = self.ram.put(tokens, state) if self.ram is not None else None
+        self._time("ram_save", len(state), start)
+        if entry is not None:
+            self.counts.evictions["ram"] = self.ram.evictions
+            self._queue(tokens, self.ram.caches(entry))
+        else:  # too large for RAM, or no RAM tier: straight to disk, in a buffer of its own
+            if self.ram is not None:
+                self.counts.evictions["ram"] = self.ram.evictions
+            self._queue(tokens, [state.copy() if np.may_share_memory(state, self._taken) else state])
+
+    def shrink(self, budget: int) -> int:
+        """Lower the RAM tier's budget (the fleet, before it evicts a model):
+        the least recently used entries go (they are on disk already, or
+        queued for it). Returns the bytes the tier holds now."""
+        if self.ram is None:
+            return 0
+        self.ram.budget = max(0, min(self.ram.budget, budget))
+        while self.ram.bytes > self.ram.budget and self.ram.entries:
+            self.ram._drop(next(iter(self.ram.entries.values())))
+            self.ram.evictions += 1
+        self.counts.evictions["ram"] = self.ram.evictions
+        self._scratch = self._taken = np.empty(0, np.uint8)
+        _give_back_freed_memory()
+        return self.ram.bytes
+
+    def _largest(self) -> int:
+        return max(self.ram.budget if self.ram is not None else 0, self.disk.budget if self.disk is not None else 0)
+
+    # -- the disk writer ---------------------------------------------------------------
+
+    def _queue(self, tokens: list[int], caches: list, wait: bool = False) -> None:
+        if self.disk is None:
+            return
+        if self.writer is None:
+            self.writer = threading.Thread(target=self._write_loop, name="prompt-cache-writer", daemon=True)
+            self.writer.start()
+        try:
+            self.writes.put((list(tokens), caches), block=wait, timeout=FLUSH_SECONDS if wait else None)
+        except queue.Full:
+            self.counts.writes_skipped += 1  # the disk is slower than the turns: this one stays in RAM only
+
+    def _write_loop(self) -> None:
+        while True:
+            item = self.writes.get()
+            try:
+                if item is None:
+                    return
+                tokens, caches = item
+                written = self.disk.write(tokens, joined(caches))
+                self.counts.written_bytes += written
+                self.counts.files_written += written > 0
+            except Exception as exc:  # noqa: BLE001 - a full disk or a read-only directory: count, serve on
+                self.counts.write_errors += 1
+                if self.counts.write_errors == 1:
+                    print(f"dormouse worker: a prompt cache was not written to disk: {exc}", file=sys.stderr, flush=True)
+            finally:
+                self.writes.task_done()
+
+    # -- sleep, eviction, shutdown -----------------------------------------------------
+
+    def save(self, slots: list[Slot]) -> tuple[p.Phase, int, int]:
+        """Before the teardown: every slot's prefix to the tiers, every RAM
+        entry not on disk yet to the writer, then wait (at most FLUSH_SECONDS)
+        for the writes. Returns the timed phase with the bytes this worker
+        wrote to disk, the files it wrote, and the failures."""
+        start = time.perf_counter()
+        for slot in slots:
+            self.stash(slot, 0)
+        if self.disk is not None and self.ram is not None:
+            for entry in list(self.ram.entries.values()):
+                if not self.disk.holds(entry.tokens):
+                    self._queue(entry.tokens, self.ram.caches(entry), wait=True)
+        if self.writer is not None:
+            try:
+                self.writes.put(None, timeout=FLUSH_SECONDS)
+            except queue.Full:
+                pass
+            self.writer.join(max(0.0, FLUSH_SECONDS - (time.perf_counter() - start)))
+            if self.writer.is_alive():  # the disk is too slow for the budget: what is still queued is lost
+                self.counts.write_errors += self.writes.qsize()
+            self.writer = None
+        if self.ram is not None:  # on disk now (or lost to a failing disk): a drowsy worker must not keep it
+            self.ram.entries.clear()
+            self.ram.store.clear()
+            self.ram.bytes = 0
+        self._scratch = self._taken = np.empty(0, np.uint8)
+        _give_back_freed_memory()
+        c = self.counts
+        phase = p.Phase("kv_save", time.perf_counter() - start, c.written_bytes, skipped=c.files_written == 0)
+        return phase, c.files_written, c.write_errors
+
+    def summary(self) -> dict[str, dict[str, Any]]:
+        """Per tier, for Done (the daemon's /props and metrics)."""
+        c = self.counts
+        out: dict[str, dict[str, Any]] = {
+            tier: {"hits": c.hits[tier], "restored_tokens": c.restored_tokens[tier]} for tier in TIERS}
+        out["ram"].update(self.ram.summary() if self.ram is not None else {"entries": 0, "bytes": 0, "budget_bytes": 0})
+        out["ram"]["evictions"] = c.evictions["ram"]
+        out["disk"].update(self.disk.summary() if self.disk is not None else {"entries": 0, "bytes": 0})
+        out["disk"].update({"write_errors": c.write_errors, "writes_skipped": c.writes_skipped,
+                            "written_bytes": c.written_bytes})
+        out["misses"] = {"count": c.misses}
+        for what, (size, seconds) in self.timings.items():
+            tier = "ram" if what.startswith("ram") else "disk"
+            out[tier][f"{what}_gbps"] = round(size / seconds / 1e9, 3) if seconds > 0 else 0.0
+        return out
