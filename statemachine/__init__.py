@@ -11,14 +11,18 @@ from statemachine.commands import (
     Command,
     DisarmIdleTimer,
     Dispatch,
+    Doze,
     Exit,
     FailRequests,
     Reject,
+    ReleaseKeeper,
     Reply,
+    Rouse,
     StartWorker,
     StopWorker,
 )
 from statemachine.events import (
+    DozeCompleted,
     Event,
     IdleTimerFired,
     LoadNotAdmitted,
@@ -38,6 +42,6 @@ from statemachine.events import (
 )
 from statemachine.machine import InvalidTransition, Policy, ServerMachine, TRANSITIONS
 from statemachine.slots import SLOT_TRANSITIONS, InvalidSlotTransition, check_slot_transition
-from statemachine.states import ServerState, SlotState
+from statemachine.states import TIERS, ServerState, SlotState
 
 __all__ = [name for name in dir() if not name.startswith("_")]

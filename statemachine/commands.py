@@ -20,6 +20,26 @@ class StopWorker(Command):
     """Ask the worker to tear down in order and exit."""
 
     reason: str = "idle"  # idle, admin, shutdown
+    # light: the daemon's keeper holds the GGUF in the page cache from before the
+    # worker lets go of it (so no page is dropped in between); deep: nothing is held.
+    tier: str = "deep"
+
+
+@dataclass(frozen=True)
+class Doze(Command):
+    """Ask the worker to save its prompt caches and free its contexts, keeping the weights."""
+
+
+@dataclass(frozen=True)
+class Rouse(Command):
+    """Ask the drowsy worker to create its contexts again (answered by Ready)."""
+
+    reason: str = "request"  # request, admin
+
+
+@dataclass(frozen=True)
+class ReleaseKeeper(Command):
+    """The keeper lets go of the GGUF's pages (the light tier ends)."""
 
 
 @dataclass(frozen=True)

@@ -60,6 +60,13 @@ class SleepCompleted(Event):
 
 
 @dataclass(frozen=True)
+class DozeCompleted(Event):
+    """The worker freed its contexts and holds only the weights (the drowsy tier)."""
+
+    report: dict[str, Any] = field(default_factory=dict, compare=False)
+
+
+@dataclass(frozen=True)
 class RequestArrived(Event):
     request_id: str
     # Ollama's keep_alive, in seconds: None: the policy's idle_seconds; 0: sleep as soon as idle;
@@ -96,6 +103,7 @@ class RetryTimerFired(Event):
 class SleepRequested(Event):
     ticket: int = 0
     reason: str = "admin"  # admin (POST /sleep), evict (the fleet needs the memory)
+    tier: str | None = None  # drowsy, light, deep; None: the policy's tier for a sleep (Policy.sleep_tier)
 
 
 @dataclass(frozen=True)

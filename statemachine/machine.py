@@ -24,14 +24,18 @@ from statemachine.commands import (
     Command,
     DisarmIdleTimer,
     Dispatch,
+    Doze,
     Exit,
     FailRequests,
     Reject,
+    ReleaseKeeper,
     Reply,
+    Rouse,
     StartWorker,
     StopWorker,
 )
 from statemachine.events import (
+    DozeCompleted,
     Event,
     IdleTimerFired,
     LoadNotAdmitted,
@@ -49,6 +53,7 @@ from statemachine.events import (
     WorkerLoadFailed,
     WorkerReady,
 )
+from statemachine.states import TIER_OF_STATE
 from statemachine.states import ServerState as S
 
 
@@ -67,10 +72,24 @@ class Policy:
     # failed load (backoff, FAILED): a poison request cannot loop wake, crash,
     # retry at the speed of its client.
     early_crash_seconds: float = 30.0
+    # The sleep tiers (docs/SCALING.md), escalating with idle time. drowsy_seconds:
+    # idle seconds before the worker frees its contexts and keeps the weights (< 0:
+    # no drowsy tier); idle_seconds then still counts from the start of the idle time.
+    # deep_after_seconds: seconds in the light tier (worker gone, the keeper holds the
+    # GGUF's pages) before the keeper lets go; 0: no light tier, a sleep is deep at
+    # once (the default: what a sleep always was), and a light sleep asked for by
+    # name (POST /sleep) stays light until woken or sent deep; < 0: never deep on its own.
+    drowsy_seconds: float = -1.0
+    deep_after_seconds: float = 0.0
 
     @property
     def capacity(self) -> int:
         return self.parallel + self.max_queued
+
+    @property
+    def sleep_tier(self) -> str:
+        """The tier a sleep (idle, POST /sleep without a tier) goes to."""
+        return "deep" if self.deep_after_seconds == 0 else "light"
 
 
 class ServerMachine:
@@ -89,6 +108,9 @@ class ServerMachine:
         self.keep_alive: float | None = None  # the latest accepted request's (RequestArrived.keep_alive)
         self.retry_generation = 0
         self.last_event: Event | None = None
+        self.idle_target = "sleep"  # what the armed idle timer does: drowsy, sleep (light or deep), deep
+        self.unloading_tier = "deep"  # the tier an UNLOADING worker goes to
+        self.keeper_held = False  # the daemon's keeper holds this model's GGUF in the page cache
 
     # -- entry point -------------------------------------------------------
 
@@ -102,6 +124,13 @@ class ServerMachine:
     @property
     def busy(self) -> bool:
         return bool(self.in_flight or self.waiting)
+
+    @property
+    def tier(self) -> str | None:
+        """The sleep tier the model is in (or, UNLOADING, going to); None while awake or on its way."""
+        if self.state is S.UNLOADING:
+            return self.unloading_tier
+        return TIER_OF_STATE.get(self.state)
 
     # -- helpers -----------------------------------------------------------
 
@@ -118,11 +147,28 @@ class ServerMachine:
             return -1.0
         return max(keep_alive, policy)  # "at least that long"
 
+    def _next_tier(self) -> tuple[str, float]:
+        """What the idle timer does from the current resting state, and after how long (< 0: nothing)."""
+        idle, drowsy = self.idle_seconds, self.policy.drowsy_seconds
+        if self.state is S.READY:
+            if drowsy >= 0 and self.keep_alive != 0 and (idle < 0 or drowsy < idle):
+                return "drowsy", drowsy
+            return "sleep", idle
+        if self.state is S.DROWSY:  # idle_seconds counts from the start of the idle time
+            return "sleep", idle if idle < 0 else max(0.0, idle - max(drowsy, 0.0))
+        if self.state is S.LIGHT_SLEEP:
+            # deep_after 0 (no light tier of its own): only POST /sleep {"tier": "light"} comes
+            # here, and that stays light until woken or sent deeper, not for 0 seconds.
+            deep_after = self.policy.deep_after_seconds
+            return "deep", deep_after if deep_after != 0 else -1.0
+        return "", -1.0
+
     def _arm_idle_if_quiet(self) -> list[Command]:
-        seconds = self.idle_seconds
-        if self.state is not S.READY or self.busy or seconds < 0:
+        target, seconds = self._next_tier()
+        if self.busy or seconds < 0:
             return []
         self.idle_generation += 1
+        self.idle_target = target
         return [ArmIdleTimer(seconds, self.idle_generation)]
 
     def _disarm_idle(self) -> list[Command]:
@@ -136,11 +182,20 @@ class ServerMachine:
         self.wake_pending = False
         return [StartWorker(reason)]
 
-    def _stop_worker(self, reason: str) -> list[Command]:
+    def _stop_worker(self, reason: str, tier: str = "deep") -> list[Command]:
         if not self.worker_up or self.stop_sent:
             return []
         self.stop_sent = True
-        return [StopWorker(reason)]
+        self.unloading_tier = tier
+        if tier == "light":
+            self.keeper_held = True  # the controller opens the keeper before the worker lets go
+        return [StopWorker(reason, tier)]
+
+    def _release_keeper(self) -> list[Command]:
+        if not self.keeper_held:
+            return []
+        self.keeper_held = False
+        return [ReleaseKeeper()]
 
     def _take_waiting(self) -> tuple[str, ...]:
         ids = tuple(self.waiting)
@@ -166,7 +221,9 @@ class ServerMachine:
         self.failure_reason = None
         ids = self._take_waiting()
         self.in_flight.update(ids)
-        commands: list[Command] = [Dispatch(ids)] if ids else []
+        commands: list[Command] = self._release_keeper()  # the worker holds the weights now
+        if ids:
+            commands.append(Dispatch(ids))
         return commands + self._arm_idle_if_quiet()
 
     def _load_failed(self, event: WorkerLoadFailed | WorkerExited) -> list[Command]:
@@ -181,7 +238,7 @@ class ServerMachine:
             self.policy.retry_max_seconds,
         )
         self.retry_generation += 1
-        commands: list[Command] = []
+        commands: list[Command] = self._release_keeper()
         ids = self._take_waiting()
         if ids:
             commands.append(Reject(ids, f"model failed to load: {self.failure_reason}", "model_load_failed",
@@ -197,7 +254,8 @@ class ServerMachine:
         self.worker_up = False
         self.wake_pending = False
         ids = self._take_waiting()
-        return [Reject(ids, event.reason, event.code, event.retry_after)] if ids else []
+        commands = self._release_keeper()  # it did not fit: it holds nothing, pages included
+        return commands + ([Reject(ids, event.reason, event.code, event.retry_after)] if ids else [])
 
     def _crashed_while_ready(self, event: WorkerExited) -> list[Command]:
         # The worker is gone, so nothing holds the model: that is sleeping. The
@@ -215,20 +273,57 @@ class ServerMachine:
         self.worker_up = False
         return commands
 
+    def _crashed_while_resting(self, event: WorkerExited) -> list[Command]:
+        # A dozing or drowsy worker died: nothing is in flight (requests wait for a
+        # rouse), nothing holds the model. Whoever waits gets a new worker.
+        commands = self._disarm_idle()
+        self.worker_up = False
+        if self.waiting or self.wake_pending:
+            return commands + self._start_worker(S.WAKING, "admin" if self.wake_pending else "request")
+        self.state = S.SLEEPING
+        return commands
+
     def _unloaded(self, event: SleepCompleted | WorkerExited) -> list[Command]:
         self.worker_up = False
         if isinstance(event, SleepCompleted):
             self.consecutive_load_failures = 0
         if self.waiting or self.wake_pending:
             return self._start_worker(S.WAKING, "admin" if self.wake_pending else "request")
+        if self.unloading_tier == "light" and self.keeper_held:
+            self.state = S.LIGHT_SLEEP
+            return self._arm_idle_if_quiet()  # deep after deep_after_seconds
         self.state = S.SLEEPING
-        return []
+        return self._release_keeper()
+
+    def _dozed(self, event: DozeCompleted) -> list[Command]:
+        self.state = S.DROWSY
+        if self.waiting or self.wake_pending:
+            reason = "admin" if self.wake_pending else "request"
+            self.wake_pending = False
+            self.state = S.ROUSING
+            return [Rouse(reason)]
+        return self._arm_idle_if_quiet()
 
     def _idle_fired(self, event: IdleTimerFired) -> list[Command]:
         if event.generation != self.idle_generation or self.busy:
             return []  # stale: a request came in after the timer was armed
+        if self.idle_target == "drowsy":
+            self.state = S.DOZING
+            return [Doze()]
         self.state = S.UNLOADING
-        return self._stop_worker("idle")
+        return self._stop_worker("idle", self.policy.sleep_tier)
+
+    def _drowsy_idle_fired(self, event: IdleTimerFired) -> list[Command]:
+        if event.generation != self.idle_generation:
+            return []
+        self.state = S.UNLOADING
+        return self._stop_worker("idle", self.policy.sleep_tier)
+
+    def _light_idle_fired(self, event: IdleTimerFired) -> list[Command]:
+        if event.generation != self.idle_generation:
+            return []
+        self.state = S.SLEEPING
+        return self._release_keeper()
 
     def _retry_fired(self, event: RetryTimerFired) -> list[Command]:
         if event.generation != self.retry_generation:
@@ -252,7 +347,12 @@ class ServerMachine:
         self.waiting.append(rid)
         if self.state is S.SLEEPING:
             return self._start_worker(S.WAKING, "request")
-        return []  # STARTING, LOADING, WAKING, UNLOADING: the load under way (or next) serves it
+        if self.state is S.LIGHT_SLEEP:  # the keeper stays until the new worker holds the weights
+            return self._disarm_idle() + self._start_worker(S.WAKING, "request")
+        if self.state is S.DROWSY:
+            self.state = S.ROUSING
+            return self._disarm_idle() + [Rouse("request")]
+        return []  # STARTING, LOADING, WAKING, UNLOADING, DOZING, ROUSING: the load under way (or next) serves it
 
     def _request_finished(self, event: RequestFinished) -> list[Command]:
         if event.request_id not in self.in_flight:
@@ -275,32 +375,52 @@ class ServerMachine:
 
     def _sleep_requested(self, event: SleepRequested) -> list[Command]:
         t = event.ticket
-        if self.state is S.READY:
-            if self.busy:
-                return [Reply(t, False, f"busy: {len(self.in_flight)} requests in flight")]
+        tier = event.tier or self.policy.sleep_tier
+        if self.state is S.READY and self.busy:
+            return [Reply(t, False, f"busy: {len(self.in_flight)} requests in flight")]
+        if self.state is S.READY and tier == "drowsy":
+            self.state = S.DOZING
+            return self._disarm_idle() + [Doze(), Reply(t, True, "dozing")]
+        if self.state in (S.READY, S.DROWSY) and tier != "drowsy":
             self.state = S.UNLOADING
-            return self._disarm_idle() + self._stop_worker(event.reason) + [Reply(t, True, "going to sleep")]
-        if self.state in (S.SLEEPING, S.UNLOADING):
-            return [Reply(t, True, "already asleep")]
-        return [Reply(t, False, f"cannot sleep while {self.state}")]
+            return self._disarm_idle() + self._stop_worker(event.reason, tier) + [Reply(t, True, "going to sleep")]
+        if self.state in (S.DROWSY, S.DOZING) and tier == "drowsy":
+            return [Reply(t, True, f"already {self.state}")]
+        if tier == "deep" and self.state in (S.LIGHT_SLEEP, S.UNLOADING) and self.keeper_held:
+            if self.state is S.UNLOADING:  # the keeper goes once the worker is gone
+                self.unloading_tier = "deep"
+                return [Reply(t, True, "already going to sleep; deep once unloaded")]
+            self.state = S.SLEEPING
+            return self._disarm_idle() + self._release_keeper() + [Reply(t, True, "keeper released: deep")]
+        if self.state in (S.SLEEPING, S.UNLOADING, S.LIGHT_SLEEP):
+            return [Reply(t, True, "already asleep" + (f" ({self.tier})" if self.tier != "deep" else ""))]
+        return [Reply(t, False, f"cannot sleep ({tier}) while {self.state}")]
 
     def _wake_requested(self, event: WakeRequested) -> list[Command]:
         t = event.ticket
         if self.state is S.SLEEPING:
             return self._start_worker(S.WAKING, "admin") + [Reply(t, True, "waking")]
+        if self.state is S.LIGHT_SLEEP:
+            return self._disarm_idle() + self._start_worker(S.WAKING, "admin") + [Reply(t, True, "waking")]
+        if self.state is S.DROWSY:
+            self.state = S.ROUSING
+            return self._disarm_idle() + [Rouse("admin"), Reply(t, True, "rousing")]
+        if self.state is S.DOZING:
+            self.wake_pending = True
+            return [Reply(t, True, "will rouse once dozed")]
         if self.state is S.FAILED:
             self.retry_generation += 1  # the pending retry timer is now stale
             return self._start_worker(S.LOADING, "admin") + [Reply(t, True, "retrying the load")]
         if self.state is S.UNLOADING:
             self.wake_pending = True
             return [Reply(t, True, "will wake once unloaded")]
-        if self.state in (S.READY, S.LOADING, S.WAKING):
+        if self.state in (S.READY, S.LOADING, S.WAKING, S.ROUSING):
             return [Reply(t, True, f"already {self.state}")]
         return [Reply(t, False, f"cannot wake while {self.state}")]
 
     def _policy_changed(self, event: PolicyChanged) -> list[Command]:
         self.policy = event.policy
-        if self.state is S.READY and not self.busy:
+        if self.state in (S.READY, S.DROWSY, S.LIGHT_SLEEP) and not self.busy:
             return self._disarm_idle() + self._arm_idle_if_quiet()  # re-armed with the new timeout
         return []
 
@@ -312,9 +432,9 @@ class ServerMachine:
         if ids:
             commands.append(Reject(ids, "server is shutting down", "shutting_down"))
         if not self.worker_up:
-            return commands + [Exit()]
-        if previous is S.UNLOADING or self.in_flight:
-            return commands  # finish the teardown / let in-flight requests drain
+            return commands + self._release_keeper() + [Exit()]
+        if previous in (S.UNLOADING, S.DOZING, S.ROUSING) or self.in_flight:
+            return commands  # finish the teardown, doze or rouse / let in-flight requests drain
         return commands + self._stop_worker("shutdown")
 
     def _worker_gone_while_stopping(
@@ -361,6 +481,16 @@ TRANSITIONS: dict[tuple[S, type[Event]], Row] = {
     (S.STOPPING, WorkerLoadFailed): M._worker_gone_while_stopping,
     (S.STOPPING, WorkerReady): M._ready_while_stopping,
     (S.STOPPING, StopRequested): M._ignore,
+    # The sleep tiers: drowsy (the worker keeps the weights), light (the keeper keeps the pages).
+    (S.DOZING, DozeCompleted): M._dozed,
+    (S.STOPPING, DozeCompleted): M._ready_while_stopping,
+    (S.DOZING, WorkerExited): M._crashed_while_resting,
+    (S.DROWSY, WorkerExited): M._crashed_while_resting,
+    (S.DROWSY, IdleTimerFired): M._drowsy_idle_fired,
+    (S.ROUSING, WorkerReady): M._worker_ready,
+    (S.ROUSING, WorkerLoadFailed): M._load_failed,
+    (S.ROUSING, WorkerExited): M._load_failed,
+    (S.LIGHT_SLEEP, IdleTimerFired): M._light_idle_fired,
 }
 for _state in ALL_STATES:
     TRANSITIONS[(_state, RequestArrived)] = M._request_arrived

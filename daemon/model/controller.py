@@ -35,7 +35,9 @@ from daemon.model.jobs import Job, JobFailure
 from daemon.model.kv_files import describe_dir
 from daemon.metrics import Metrics
 from daemon.model.reports import phase_seconds, sleep_record, wake_record
+from daemon.model.sleep_tiers import SleepTiers
 from daemon.model.supervisor import LoadFailed, Supervisor, Worker
+from daemon.model.wake_prediction import history_for, requested_max_wait
 from statemachine import (
     ArmIdleTimer,
     ArmRetryTimer,
@@ -43,6 +45,7 @@ from statemachine import (
     Command,
     DisarmIdleTimer,
     Dispatch,
+    Doze,
     Event,
     Exit,
     FailRequests,
@@ -50,11 +53,13 @@ from statemachine import (
     LoadNotAdmitted,
     Policy,
     Reject,
+    ReleaseKeeper,
     Reply,
     RequestAbandoned,
     RequestArrived,
     RequestFinished,
     RetryTimerFired,
+    Rouse,
     ServerMachine,
     ServerState,
     SleepCompleted,
@@ -82,7 +87,7 @@ CANCEL_GRACE_SECONDS = 2.0
 PERMANENT_LOAD_ERRORS = frozenset({"chat_template"})
 
 
-class Controller:
+class Controller(SleepTiers):
     def __init__(self, settings: Settings, model_path: str, metrics: Metrics, log, model_id: str = "default") -> None:
         self.settings = settings
         self.model_id = model_id
@@ -100,8 +105,12 @@ class Controller:
                 max_queued=settings.max_queued,
                 retry_max_seconds=settings.retry_max_seconds,
                 early_crash_seconds=settings.early_crash_seconds,
+                drowsy_seconds=settings.drowsy_after,
+                deep_after_seconds=settings.deep_after,
             )
         )
+        self.wake_history = history_for(state_dir(settings))  # this host's past wakes: the prediction's basis
+        self._init_tiers()
         self.supervisor = Supervisor(settings.worker_module, self._on_worker_message, self._on_worker_died, self.log,
                                      liveness_timeout=settings.worker_liveness_timeout)
         self.mailbox: asyncio.Queue[Event] = asyncio.Queue()
@@ -140,6 +149,7 @@ class Controller:
         self.held: OrderedDict[str, Job] = OrderedDict()
         metrics.idle_timeout_seconds.set(settings.sleep_idle_seconds)
         metrics.set_state(self.state)
+        metrics.set_tier(None)
 
     # -- public ---------------------------------------------------------------
 
@@ -182,6 +192,7 @@ class Controller:
                 self.closed = True  # from here on, nothing reads the mailbox
                 break
         self._cancel_timers()
+        self._close_keeper()
         for task in list(self._tasks):
             task.cancel()
         await self.supervisor.close()
@@ -193,23 +204,32 @@ class Controller:
         self.stopped.set()
 
     def new_job(self, endpoint: str, params: p.SamplingParams, tools=(), keep_alive: float | None = None,
-                **fields) -> Job:
+                max_wait: float | None = None, **fields) -> Job:
         """A generation: answered by Tokens (of n choices), then one Done.
         `fields` are p.Submit's (prompt or messages, n, cache_prompt, ...).
         keep_alive: how long the model stays awake once idle after it
         (statemachine.events.RequestArrived); None: sleep_idle_seconds."""
         submit = p.Submit(_request_id(endpoint), params, tools=list(tools), **fields)
-        return self._accept(Job(submit, endpoint, keep_alive=keep_alive))
+        return self._accept(Job(submit, endpoint, keep_alive=keep_alive), max_wait)
 
-    def new_query(self, endpoint: str, kind: str, keep_alive: float | None = None, **fields) -> Job:
+    def new_query(self, endpoint: str, kind: str, keep_alive: float | None = None, max_wait: float | None = None,
+                  **fields) -> Job:
         """One-step work on the loaded model (tokenize, detokenize,
         apply_template, count_chat, embed), answered by one Answer. It wakes the
         model and waits its turn like a generation: the state machine sees a request."""
-        return self._accept(Job(p.Query(_request_id(endpoint), kind, **fields), endpoint, keep_alive=keep_alive))
+        return self._accept(Job(p.Query(_request_id(endpoint), kind, **fields), endpoint, keep_alive=keep_alive),
+                            max_wait)
 
-    def _accept(self, job: Job) -> Job:
+    def _accept(self, job: Job, max_wait: float | None = None) -> Job:
+        """max_wait: how long the client may wait for a wake (X-Dormouse-Max-Wait, daemon/http/cold_start.py);
+        None: the one set for this request by the HTTP layer, else wake_timeout."""
         request_id = job.id
         job.cold = self.state is not ServerState.READY
+        if max_wait is None:
+            max_wait = requested_max_wait.get()
+        # Read by the HTTP layer (_first_item's wait, cold_start's headers): set here, not Job fields (jobs.py).
+        job.max_wait = max_wait
+        job.wake_seconds = None
         if self.closed:  # this model has stopped (others of the fleet may still be draining)
             job.put(JobFailure(503, "shutting_down", "server is shutting down", 1.0))
             return job
@@ -218,6 +238,12 @@ class Controller:
             job.put(JobFailure(400, "request_crashed_worker",
                                f"this request was being served when the worker died {POISON_CRASHES} times; "
                                "it is refused so that it cannot take the model down again"))
+            return job
+        refusal = self.too_slow(max_wait) if job.cold else None
+        if refusal is not None:  # at once, not after the wait: and the wake starts, so a retry finds it awake
+            job.put(refusal)
+            if self.state in (ServerState.SLEEPING, ServerState.LIGHT_SLEEP, ServerState.DROWSY):
+                self.post(WakeRequested(0))
             return job
         if self.holding:
             return self._hold(job)
@@ -256,13 +282,13 @@ class Controller:
         if not job.finished:
             self.post(RequestAbandoned(job.id))
 
-    async def admin(self, event_type: type[SleepRequested] | type[WakeRequested]) -> tuple[bool, str]:
+    async def admin(self, event_type: type[SleepRequested] | type[WakeRequested], **fields) -> tuple[bool, str]:
         if self.closed:
             return False, "the server is shutting down"
         ticket = next(self._tickets)
         future = asyncio.get_running_loop().create_future()
         self._replies[ticket] = future
-        self.post(event_type(ticket))
+        self.post(event_type(ticket, **fields))
         return await future
 
     async def wait_for(self, predicate: Callable[[ServerState], bool], timeout: float) -> bool:
@@ -310,10 +336,18 @@ class Controller:
         if isinstance(command, StartWorker):
             self._spawn(self._transition(self._start_worker(command.reason), self._start_crashed))
         elif isinstance(command, StopWorker):
-            self._spawn(self._transition(self._stop_worker(command.reason), self._stop_crashed))
+            self._spawn(self._transition(self._stop_worker(command.reason, command.tier), self._stop_crashed))
+        elif isinstance(command, Doze):
+            self._spawn(self._transition(self._doze(), self._doze_crashed))
+        elif isinstance(command, Rouse):
+            self._spawn(self._transition(self._rouse(command.reason), self._start_crashed))
+        elif isinstance(command, ReleaseKeeper):
+            self._close_keeper()
         elif isinstance(command, Dispatch):
             for request_id in command.request_ids:
                 job = self.jobs[request_id]
+                if job.cold:  # what this request waited for the wake (X-Dormouse-Wake-Seconds)
+                    job.wake_seconds = time.monotonic() - job.accepted_at
                 job.mark_dispatched()
                 try:
                     self.supervisor.send(job.submit)
@@ -403,6 +437,9 @@ class Controller:
             self.log.warning("load.not_admitted", reason=refusal.reason, code=refusal.code)
             return refusal
         admitted_after = time.perf_counter() - start
+        tier = "light" if self.machine.keeper_held else "deep"
+        nbytes, cold = await asyncio.to_thread(self._files_in_cache, 0.0)
+        self._begin_wake_prediction(tier, nbytes, cold)
         try:
             # A wake that a request triggered skips the warm-up decode: that request's
             # own prompt pays the same lazy initialisation, so a warm-up would only
@@ -418,6 +455,7 @@ class Controller:
         ready = result.ready
         self.last_wake = wake_record(result, reason, time.perf_counter() - start)
         self.last_wake["admission_seconds"] = admitted_after
+        self._record_wake(self.last_wake, tier, nbytes, cold)
         self.model_info = ready.model_info
         for reason, count in ready.kv_rejected.items():
             self.metrics.kv_rejected.labels(reason=reason).inc(count)
@@ -430,16 +468,19 @@ class Controller:
         self._ready_at = time.monotonic()
         return WorkerReady(ready.n_slots, ready.model_info)
 
-    async def _stop_worker(self, reason: str) -> Event | None:
+    async def _stop_worker(self, reason: str, tier: str = "deep") -> Event | None:
         if self._admission_wait is not None and not self._admission_wait.done():
             self._admission_wait.cancel()  # no worker yet: the start task reports LoadNotAdmitted
             return None
         start = time.perf_counter()
+        if tier == "light":  # before the worker lets go of the pages, so that none leaves the page cache
+            await self._open_keeper()
         result = await self.supervisor.stop(timeout=self.settings.teardown_timeout)
         if result.aborted_load or result.already_gone:
             return None  # the start task, or the unexpected-exit report, is that worker's one outcome
         seconds = time.perf_counter() - start
         self.last_sleep = sleep_record(result, reason, seconds, await self._check_memory_returned(result.pid, "sleep"))
+        self.last_sleep["tier"] = tier
         self.metrics.observe_sleep(self.last_sleep)
         self._forget_worker()
         self.log.info("sleep.done", reason=reason, seconds=round(seconds, 4), clean=self.last_sleep["clean"],
@@ -487,9 +528,12 @@ class Controller:
             kv_dir=str(self.kv_dir),
             kv_min_tokens=s.kv_cache_min_tokens,
             kv_disk_bytes=s.kv_cache_disk_bytes,
+            prompt_cache_ram_bytes=s.prompt_cache_ram_bytes,
+            slot_dir=str(s.slot_save_path / self.model_id) if s.slot_save_path else None,
             embeddings=s.embeddings,
             pooling=s.pooling,
             cache_deterministic=s.cache_deterministic,
+            load_mode=s.load_mode,
         )
 
     # -- from the worker ------------------------------------------------------------
@@ -524,6 +568,7 @@ class Controller:
         m.prompt_tokens.inc(done.prompt_tokens)
         m.cached_prompt_tokens.inc(done.cached_tokens)
         m.generated_tokens.inc(done.completion_tokens)
+        self.note_service(done.prompt_seconds + done.generation_seconds)
         m.draft_tokens.inc(done.drafted_tokens)
         m.accepted_tokens.inc(done.accepted_tokens)
         m.observe_request(done, job.accepted_at, job.submit.n)  # per request, for metrics_compat
@@ -573,6 +618,7 @@ class Controller:
         after = self.state
         self.state_since = time.time()
         self.metrics.set_state(after)
+        self.tier_gauges()
         self.log.info("state", before=str(before), after=str(after), cause=type(event).__name__)
         self._state_changed.set()
         self._tell(self.state_listeners, before, after)
@@ -589,7 +635,8 @@ class Controller:
         self.metrics.requests_in_flight.set(len(self.machine.in_flight))
         self.metrics.requests_waiting.set(len(self.machine.waiting))
         worker_gone = isinstance(event, (SleepCompleted, WorkerExited, WorkerLoadFailed))
-        if worker_gone and self.settings.spawn_ahead and self.state in (ServerState.SLEEPING, ServerState.FAILED):
+        if worker_gone and self.settings.spawn_ahead and self.state in (ServerState.SLEEPING, ServerState.FAILED,
+                                                                          ServerState.LIGHT_SLEEP):
             self._spawn(self.supervisor.prespawn())
 
     def _cancel_idle_timer(self) -> None:

@@ -241,6 +241,54 @@ class Supervisor:
         await self._reap(worker)
         return StopResult(report, worker.pid)
 
+    async def doze(self, timeout: float) -> p.DozeReport | None:
+        """The drowsy tier: the worker frees its contexts and keeps the weights. None: it
+        did not say it had (it died, or is killed now): its exit is reported as usual
+        (on_unexpected_exit), the one outcome of that worker."""
+        worker = self.current
+        if worker is None or worker.phase != "serving":
+            return None
+        self._pending = asyncio.get_running_loop().create_future()
+        self.send(p.Doze())
+        try:
+            outcome = await asyncio.wait_for(asyncio.shield(self._pending), timeout)
+        except asyncio.TimeoutError:
+            outcome = None
+            worker.kill_reason = f"doze took longer than {timeout:g}s"
+        if isinstance(outcome, p.DozeReport):
+            return outcome
+        if worker.proc.returncode is None:  # it answered something else, or nothing: it cannot be trusted drowsy
+            worker.kill_reason = worker.kill_reason or f"it answered a doze with {type(outcome).__name__}"
+            worker.proc.kill()
+        return None
+
+    async def rouse(self, timeout: float) -> p.Ready:
+        """The drowsy worker creates its contexts again; raises LoadFailed as a load does."""
+        worker = self.current
+        if worker is None or worker.phase != "serving":
+            raise LoadFailed("the drowsy worker is gone", worker.pid if worker else None)
+        self._starting, self._abort_start = True, False
+        worker.phase = "loading"  # a death now is this rouse's failure, not an unexpected exit
+        self._pending = asyncio.get_running_loop().create_future()
+        self.send(p.Rouse())
+        try:
+            outcome = await asyncio.wait_for(asyncio.shield(self._pending), timeout)
+        except asyncio.TimeoutError:
+            await self._kill(worker)
+            raise LoadFailed(f"rouse took longer than {timeout:g}s (load_timeout)", worker.pid) from None
+        finally:
+            self._starting = False
+        if isinstance(outcome, p.Ready):
+            worker.phase = "serving"
+            worker.last_heard = time.monotonic()
+            watching = any(t.get_name().endswith("-liveness") and not t.done() for t in worker.tasks)
+            if self.liveness_timeout > 0 and not watching:  # the watch ends once it sees the phase left serving
+                worker.tasks.append(asyncio.create_task(self._watch_liveness(worker), name=f"worker-{worker.pid}-liveness"))
+            return outcome
+        await self._reap(worker)
+        reason = outcome.message if isinstance(outcome, p.Error) else worker.exit_reason()
+        raise LoadFailed(reason, worker.pid, getattr(outcome, "code", None))
+
     def send(self, message: p.Message) -> None:
         worker = self.current
         if worker is None or worker.writer.is_closing():
@@ -275,7 +323,7 @@ class Supervisor:
                 worker.last_heard = time.monotonic()
                 if isinstance(message, p.Pong):
                     continue
-                if isinstance(message, (p.Ready, p.Error, p.SleepReport)):
+                if isinstance(message, (p.Ready, p.Error, p.SleepReport, p.DozeReport)):
                     self._resolve(message)
                 elif isinstance(message, p.LoadProgress):
                     self.log.debug("worker.load_progress", pid=worker.pid, phase=message.phase, seconds=round(message.seconds, 4))

@@ -50,28 +50,34 @@ def main(argv: list[str] | None = None) -> int:
         if spec.warmup:
             warm_up(runtime, engine)
     except Exception as exc:  # noqa: BLE001 - any failure to load is reported, then we exit
-        channel.send(p.Error(str(exc), during="load"))
+        channel.send(p.Error(str(exc), during="load", code="chat_template" if str(exc).startswith("chat template:") else None))
         runtime.teardown()
         return EXIT_LOAD_FAILED
 
-    channel.send(
-        p.Ready(
-            n_slots=len(engine.slots),
-            n_ctx=spec.ctx_size,
-            n_ctx_slot=engine.n_ctx_slot,
-            phases=runtime.phases,
-            model_info={**runtime.describe(), "memory_by_device": runtime.ledger.by_device(),
-                        "devices": device_memory()},
-            memory=runtime.ledger.by_component(),
-            kv_rejected=engine.saved.rejected_at_load if engine.saved else {},
-        )
-    )
-    asked_to_sleep = serve(channel, engine)
+    channel.send(ready(runtime, engine, device_memory))
+    while True:
+        outcome = serve(channel, engine)  # sleep, eof, or doze (the drowsy tier)
+        if outcome != "doze":
+            break
+        outcome = doze(channel, runtime, engine)
+        if outcome != "rouse":
+            engine = None
+            break
+        try:  # a rouse: the contexts again, on the weights this worker kept
+            runtime.create_contexts()
+            engine = Engine(runtime, channel.send)
+        except Exception as exc:  # noqa: BLE001 - as a failed load: reported, then we exit
+            channel.send(p.Error(str(exc), during="rouse"))
+            runtime.teardown()
+            return EXIT_LOAD_FAILED
+        channel.send(ready(runtime, engine, device_memory))
+    asked_to_sleep = outcome == "sleep"
     rss_before = rss_bytes()
-    engine.close()
+    if engine is not None:
+        engine.close()
     saved_files = save_errors = 0
     kv_phase = []
-    if asked_to_sleep and engine.saved is not None:  # the prompt caches go to disk before the context goes
+    if asked_to_sleep and engine is not None and engine.saved is not None:  # the prompt caches go to disk before the context goes
         phase, saved_files, save_errors = engine.saved.save(engine.slots)
         kv_phase = [phase]
     phases = kv_phase + runtime.teardown()
@@ -79,6 +85,47 @@ def main(argv: list[str] | None = None) -> int:
                                devices_before=runtime.devices_before, devices_after=runtime.devices_after,
                                kv_saved_files=saved_files, kv_save_errors=save_errors))
     return EXIT_OK
+
+
+def ready(runtime, engine, device_memory) -> p.Ready:
+    spec = runtime.spec
+    return p.Ready(
+        n_slots=len(engine.slots),
+        n_ctx=spec.ctx_size,
+        n_ctx_slot=engine.n_ctx_slot,
+        phases=runtime.phases,
+        model_info={**runtime.describe(), "memory_by_device": runtime.ledger.by_device(),
+                    "devices": device_memory()},
+        memory=runtime.ledger.by_component(),
+        kv_rejected=engine.saved.rejected_at_load if engine.saved else {},
+    )
+
+
+def doze(channel: Channel, runtime, engine) -> str:
+    """The drowsy tier: the prompt caches saved exactly as a sleep saves them, the engine
+    and the contexts freed, the weights kept. Then wait: rouse, sleep or eof."""
+    from daemon.worker.memory import rss_bytes
+
+    rss_before = rss_bytes()
+    engine.close()
+    phases, saved_files, save_errors = [], 0, 0
+    if engine.saved is not None:  # the same entry point as a sleep's, while the context still holds the KV
+        phase, saved_files, save_errors = engine.saved.save(engine.slots)
+        phases.append(phase)
+    phases += runtime.free_contexts()
+    channel.send(p.DozeReport(phases, rss_before=rss_before, rss_after=rss_bytes(),
+                              kv_saved_files=saved_files, kv_save_errors=save_errors))
+    while True:
+        message = channel.receive()
+        if message is None:
+            return "eof"
+        if isinstance(message, p.Sleep):
+            return "sleep"
+        if isinstance(message, p.Rouse):
+            return "rouse"
+        if isinstance(message, p.Ping):
+            channel.send(p.Pong(message.seq))
+        # Submit, Query and Cancel never come while drowsy: the daemon holds requests until Ready.
 
 
 def warm_up(runtime, engine) -> None:
@@ -97,13 +144,15 @@ def warm_up(runtime, engine) -> None:
     runtime.on_progress("warmup", runtime.phases[-1].seconds)
 
 
-def serve(channel: Channel, engine) -> bool:
-    """Until Sleep (True) or EOF (False): take messages, run a step whenever there is work."""
+def serve(channel: Channel, engine) -> str:
+    """Until Sleep ("sleep"), EOF ("eof") or Doze ("doze"): take messages, run a step whenever there is work."""
     while True:
         message = channel.receive(block=not engine.busy)
         while message is not False:
             if message is None or isinstance(message, p.Sleep):
-                return message is not None
+                return "eof" if message is None else "sleep"
+            if isinstance(message, p.Doze):
+                return "doze"
             if isinstance(message, p.Submit):
                 engine.submit(message)
             elif isinstance(message, p.Cancel):

@@ -22,7 +22,9 @@ from daemon.worker.llama_lib import llama, mtmd
 from daemon.worker.memory import BufferLedger
 
 TEARDOWN_ORDER = ("draft_context", "draft_model", "context", "model", "mmproj", "backend")
-POOLING = {"mean": 1, "cls": 2, "last": 3}  # llama_pooling_type
+POOLING = {"mean": 1, "cls": 2, "last": 3, "rank": 4}  # llama_pooling_type; rank: a reranker's classifier head
+# llama.cpp's llama_load_mode: how the weights are read (auto: mmap where every device supports it).
+LOAD_MODES = {"auto": -1, "none": 0, "mmap": 1, "mlock": 2, "mmap+mlock": 3, "direct_io": 4}
 
 
 
@@ -112,6 +114,7 @@ class Runtime:
         # Gemma 3): greedy output would change with the prompt cache and with the
         # other slots. Off by default; measured no slower here (bench/throughput.py).
         params.use_extra_bufts = self.spec.cpu_repack
+        params.load_mode = LOAD_MODES[self.spec.load_mode]
         model = llama.llama_model_load_from_file(os.fsencode(path), params)
         if not model:
             raise LoadError(f"cannot load {what} {path}: {self._last_error()}")
@@ -160,6 +163,28 @@ class Runtime:
         if not ctx:
             raise LoadError(f"cannot load projector {path}: {self._last_error()}")
         return ctx
+
+    # -- the drowsy tier: contexts go, weights stay --
+
+    def free_contexts(self) -> list[Phase]:
+        """Free the draft context, then the main context (DESIGN's order); the models stay."""
+        report = []
+        for name, attr in (("draft_context", "draft_ctx"), ("context", "ctx")):
+            start = time.perf_counter()
+            held = self._free(attr, llama.llama_free)
+            report.append(Phase(name, time.perf_counter() - start, self.ledger.forget(name), skipped=not held))
+        return report
+
+    def create_contexts(self) -> list[Phase]:
+        """The contexts load() creates, again (after free_contexts); returns these phases."""
+        spec = self.spec
+        self.phases = []
+        with self._phase("context"):
+            self.ctx = self._new_context(self.model, spec.ctx_size, spec.parallel, spec.outputs_max(), "context")
+        if self.draft_model is not None:
+            with self._phase("draft_context"):
+                self.draft_ctx = self._new_context(self.draft_model, spec.ctx_size, spec.parallel, spec.parallel, "draft context")
+        return self.phases
 
     # -- teardown --
 

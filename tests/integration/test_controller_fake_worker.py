@@ -204,7 +204,7 @@ async def test_admin_key_and_api_key():
         ({"prompt": "x", "temperature": -1}, "temperature"),
         ({"prompt": "x", "n": 17}, "n"),
         ({"prompt": "x", "stop": 3}, "stop"),
-        ({"prompt": "x", "logit_bias": {"abc": 1}}, "logit_bias"),
+        ({"prompt": "x", "logit_bias": {"-1": 1}}, "logit_bias"),
     ],
 )
 async def test_bad_completion_bodies_get_400_naming_the_field(body, param):

@@ -11,6 +11,7 @@ from statemachine import (
     CancelRequest,
     DisarmIdleTimer,
     Dispatch,
+    DozeCompleted,
     Exit,
     FailRequests,
     IdleTimerFired,
@@ -58,6 +59,19 @@ def machine_in(state: S, **policy) -> ServerMachine:
     m.handle(WorkerReady(2))
     if state is S.READY:
         return m
+    if state in (S.DOZING, S.DROWSY, S.ROUSING):
+        m.handle(SleepRequested(1, tier="drowsy"))
+        if state is S.DOZING:
+            return m
+        m.handle(DozeCompleted())
+        if state is S.DROWSY:
+            return m
+        m.handle(WakeRequested())
+        return m
+    if state is S.LIGHT_SLEEP:
+        m.handle(SleepRequested(1, tier="light"))
+        m.handle(SleepCompleted())
+        return m
     if state is S.STOPPING:
         m.handle(StopRequested())
         return m
@@ -85,7 +99,7 @@ def test_every_row_is_exercised_and_returns_commands():
         RequestFinished: RequestFinished("r"), RequestAbandoned: RequestAbandoned("r"),
         IdleTimerFired: IdleTimerFired(0), RetryTimerFired: RetryTimerFired(0), SleepRequested: SleepRequested(1),
         WakeRequested: WakeRequested(1), StopRequested: StopRequested(), PolicyChanged: PolicyChanged(Policy()),
-        LoadNotAdmitted: LoadNotAdmitted("x"),
+        LoadNotAdmitted: LoadNotAdmitted("x"), DozeCompleted: DozeCompleted(),
     }
     for (state, event_type) in TRANSITIONS:
         m = machine_in(state)
@@ -100,7 +114,8 @@ def test_an_event_without_a_row_raises():
         m = machine_in(state)
         sample = {Started: Started(), WorkerReady: WorkerReady(1), WorkerLoadFailed: WorkerLoadFailed("x"),
                   WorkerExited: WorkerExited("x"), SleepCompleted: SleepCompleted(),
-                  RequestFinished: RequestFinished("r"), LoadNotAdmitted: LoadNotAdmitted("x")}[event_type]
+                  RequestFinished: RequestFinished("r"), LoadNotAdmitted: LoadNotAdmitted("x"),
+                  DozeCompleted: DozeCompleted(), IdleTimerFired: IdleTimerFired(0)}[event_type]
         with pytest.raises(InvalidTransition):
             m.handle(sample)
 

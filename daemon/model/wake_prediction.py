@@ -1,0 +1,169 @@
+"""How long a wake will take, predicted before it starts from this host's past wakes.
+
+A wake from the light or deep tier costs a fixed part (spawn or take a
+worker, backend, contexts, handshake) and a part that grows with the bytes
+the weights phases read: the bytes already in the page cache at the rate
+the cache gives, the rest at the rate the disk gives. Which bytes are
+cached is measured, not guessed (mincore, daemon/model/keeper.py), so one
+formula covers light (all cached), deep with a warm cache and deep with a
+cold one:
+
+    seconds = fixed + cached_bytes / cache_rate + cold_bytes / disk_rate
+
+A drowsy wake reads no weights: it is a context creation, predicted by
+the median of this model's past ones.
+
+Each wake is a sample (tier, bytes, cold bytes, seconds, weights seconds);
+the rates and fixed costs are medians over the latest samples, so one slow
+wake (a busy disk) moves nothing. Samples are kept in the state directory
+beside the footprints (wake_history.json, written atomically, bounded); a
+file that does not read is ignored and replaced. Until a host has samples
+the defaults below stand, and the prediction says so (`basis`).
+"""
+
+from __future__ import annotations
+
+import contextvars
+import json
+import os
+import statistics
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+FILE_NAME = "wake_history.json"
+MAX_SAMPLES = 256
+MAX_FILE_BYTES = 1024 * 1024
+RECENT = 16  # the medians are over this many latest samples
+WARM_FRACTION = 0.05  # at most this much of the file read from disk: a sample of the cache's rate
+COLD_FRACTION = 0.5  # at least this much: a sample of the disk's rate
+
+# Before any sample: modest rates, so a first prediction errs on the slow side.
+DEFAULT_CACHE_RATE = 2e9  # bytes/s from the page cache into the worker
+DEFAULT_DISK_RATE = 2e8  # bytes/s from disk
+DEFAULT_FIXED_SECONDS = 0.5  # spawn, backend, contexts
+DEFAULT_DROWSY_SECONDS = 0.1  # a context creation
+
+
+@dataclass(frozen=True)
+class Prediction:
+    seconds: float
+    tier: str
+    bytes: int
+    cold_bytes: int
+    basis: str  # "measured" (from this host's samples) or "default"
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"seconds": round(self.seconds, 4), "tier": self.tier, "bytes": self.bytes,
+                "cold_bytes": self.cold_bytes, "basis": self.basis}
+
+
+def _median(values: list[float]) -> float | None:
+    values = [v for v in values if v > 0 and v == v]
+    return statistics.median(values) if values else None
+
+
+class WakeHistory:
+    """The samples of one state directory (shared by every model of the daemon: `history_for`)."""
+
+    def __init__(self, directory: Path) -> None:
+        self.path = Path(directory) / FILE_NAME
+        self.samples: list[dict[str, Any]] = self._read()
+        self._lock = threading.Lock()
+
+    def _read(self) -> list[dict[str, Any]]:
+        try:
+            if not self.path.is_file() or self.path.stat().st_size > MAX_FILE_BYTES:
+                return []
+            data = json.loads(self.path.read_text())
+        except (OSError, ValueError):
+            return []
+        samples = data.get("samples") if isinstance(data, dict) else None
+        if not isinstance(samples, list):
+            return []
+        keys = {"model": str, "tier": str, "bytes": int, "cold_bytes": int, "seconds": float, "weights_seconds": float}
+        good = []
+        for s in samples[-MAX_SAMPLES:]:
+            if isinstance(s, dict) and all(isinstance(s.get(k), (t, int) if t is float else t) for k, t in keys.items()):
+                good.append(s)
+        return good
+
+    def record(self, model: str, tier: str, nbytes: int, cold_bytes: int, seconds: float,
+               weights_seconds: float) -> None:
+        sample = {"model": model, "tier": tier, "bytes": int(nbytes), "cold_bytes": int(cold_bytes),
+                  "seconds": float(seconds), "weights_seconds": float(weights_seconds), "at": time.time()}
+        with self._lock:
+            self.samples = (self.samples + [sample])[-MAX_SAMPLES:]
+            self._write()
+
+    def _write(self) -> None:
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(prefix=".wake_history.", dir=self.path.parent)
+            with os.fdopen(fd, "w") as f:
+                json.dump({"version": 1, "samples": self.samples}, f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, self.path)
+        except OSError:
+            pass  # a prediction is an optimisation, never a reason to fail
+
+    # -- the fitted host figures --
+
+    def _recent(self, tiers: tuple[str, ...], model: str | None = None) -> list[dict[str, Any]]:
+        return [s for s in self.samples if s["tier"] in tiers and (model is None or s["model"] == model)][-RECENT:]
+
+    def cache_rate(self) -> float | None:
+        warm = [s for s in self._recent(("light", "deep")) if s["cold_bytes"] <= WARM_FRACTION * s["bytes"]]
+        return _median([(s["bytes"] - s["cold_bytes"]) / s["weights_seconds"] for s in warm if s["weights_seconds"] > 0])
+
+    def disk_rate(self) -> float | None:
+        cache = self.cache_rate() or DEFAULT_CACHE_RATE
+        cold = [s for s in self._recent(("deep",)) if s["cold_bytes"] >= COLD_FRACTION * s["bytes"]]
+        rates = []
+        for s in cold:
+            disk_seconds = s["weights_seconds"] - (s["bytes"] - s["cold_bytes"]) / cache
+            if disk_seconds > 0:
+                rates.append(s["cold_bytes"] / disk_seconds)
+        return _median(rates)
+
+    def fixed_seconds(self, model: str) -> float | None:
+        samples = self._recent(("light", "deep"), model) or self._recent(("light", "deep"))
+        return _median([s["seconds"] - s["weights_seconds"] for s in samples])
+
+    def figures(self) -> dict[str, Any]:
+        return {"cache_bytes_per_second": self.cache_rate(), "disk_bytes_per_second": self.disk_rate(),
+                "samples": len(self.samples), "file": str(self.path)}
+
+    def predict(self, model: str, tier: str, nbytes: int, cold_bytes: int) -> Prediction:
+        if tier == "drowsy":
+            seconds = _median([s["seconds"] for s in self._recent(("drowsy",), model)])
+            return Prediction(seconds or DEFAULT_DROWSY_SECONDS, tier, 0, 0, "measured" if seconds else "default")
+        cache, disk, fixed = self.cache_rate(), self.disk_rate(), self.fixed_seconds(model)
+        cold_bytes = min(max(cold_bytes, 0), nbytes)
+        seconds = ((fixed if fixed is not None else DEFAULT_FIXED_SECONDS)
+                   + (nbytes - cold_bytes) / (cache or DEFAULT_CACHE_RATE)
+                   + cold_bytes / (disk or DEFAULT_DISK_RATE))
+        # Measured only where each figure this wake needs came from samples.
+        measured = cache is not None and fixed is not None and (cold_bytes == 0 or disk is not None)
+        return Prediction(seconds, tier, nbytes, cold_bytes, "measured" if measured else "default")
+
+
+# The client's bound on its wait for a wake (X-Dormouse-Max-Wait), for the request being handled:
+# set by the HTTP layer (daemon/http/cold_start.py), read by Controller._accept. None: wake_timeout.
+requested_max_wait: contextvars.ContextVar[float | None] = contextvars.ContextVar("requested_max_wait", default=None)
+
+_histories: dict[Path, WakeHistory] = {}
+_histories_lock = threading.Lock()
+
+
+def history_for(directory: Path) -> WakeHistory:
+    """One history per state directory, however many models share it."""
+    key = Path(directory).resolve()
+    with _histories_lock:
+        if key not in _histories:
+            _histories[key] = WakeHistory(key)
+        return _histories[key]
