@@ -194,7 +194,7 @@ class MessageIn(RequestModel):
     @model_validator(mode="after")
     def _blocks_fit_role(self) -> MessageIn:
         blocks = self.content if isinstance(self.content, list) else ()
-        if self.role == "user" and any(isinstance(b, (ToolUseBlock, ThinkingBlock)) for b in blocks):
+        if self.role == "user" and any(isinstance(b, (ToolUseBlock, ThinkingBlock, RedactedThinkingBlock)) for b in blocks):
             raise ValueError("tool_use and thinking blocks belong to assistant messages")
         if self.role == "assistant" and any(isinstance(b, ToolResultBlock) for b in blocks):
             raise ValueError("tool_result blocks belong to user messages (they answer the assistant's tool_use)")

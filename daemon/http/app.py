@@ -165,9 +165,10 @@ def _check_content_type(request: web.Request) -> None:
     if request.method != "POST" or request.match_info.http_exception is not None:
         return  # not a route that takes a body: 404/405 follow
     declared = request.headers.get("Content-Type")
-    # No body at all on /sleep and /wake: curl -XPOST and httpx send no type, aiohttp's client
+    # No body at all on /sleep, /wake and the slot actions: curl -XPOST and httpx send no type, aiohttp's client
     # application/octet-stream, which no browser sends cross-origin without a preflight.
-    if request.path in ADMIN_PATHS and not request.body_exists and (
+    bodyless = request.path in ADMIN_PATHS or request.path.startswith(ADMIN_PREFIXES)  # /slots/{id}?action=erase
+    if bodyless and not request.body_exists and (
             declared is None or request.content_type == "application/octet-stream"):
         return
     # Ollama's clients (LiteLLM's ollama_chat/) send their JSON with no Content-Type at all. Browsers send

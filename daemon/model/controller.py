@@ -504,8 +504,8 @@ class Controller(SleepTiers):
 
     def _model_spec(self, warmup: bool) -> p.ModelSpec:
         s = self.settings
-        template = None
-        if s.chat_template_file:
+        template = s.chat_template  # Jinja text or a llama.cpp built-in name (worker/chat.py tells them apart)
+        if s.chat_template_file:  # the file comes first
             try:
                 template = s.chat_template_file.read_text()
             except (OSError, UnicodeDecodeError) as exc:

@@ -368,6 +368,18 @@ async def test_models_load_and_unload_answer_success():
         assert (await client.post("/models/load", json={})).status == 400
 
 
+async def test_slot_erase_as_curl_sends_it_needs_no_body(tmp_path):
+    """`curl -X POST '.../slots/0?action=erase'`: no body, no Content-Type, as llama-server takes it;
+    save still needs its filename (a 400 naming the body, not a 415)."""
+    async with fake_daemon(slot_save_path=str(tmp_path)) as (fleet, client):
+        erased = await client.post("/slots/0?action=erase", data=None, skip_auto_headers=("Content-Type",))
+        assert erased.status == 200 and (await erased.json()) == {"id_slot": 0, "n_erased": 7}
+        error = await error_of(await client.post("/slots/0?action=save", skip_auto_headers=("Content-Type",)), 400)
+        assert "JSON" in error["message"]
+        assert (await client.post("/slots/0?action=erase", data=b"x", headers={"Content-Type": "text/plain"})
+                ).status == 415  # a body of another type is still refused
+
+
 # -- server-wide sampling defaults ---------------------------------------------------
 
 

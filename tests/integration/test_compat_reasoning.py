@@ -455,8 +455,6 @@ def test_a_real_worker_takes_a_builtin_template_name_and_folds_a_refused_system_
             worker.close()
 
 
-@pytest.mark.xfail(strict=True, reason="daemon/model/controller.py _model_spec reads chat_template_file only: "
-                                       "settings.chat_template (--chat-template) never reaches the worker")
 async def test_the_chat_template_setting_reaches_the_worker(tmp_path):
     own = tmp_path / "own.jinja"
     own.write_text("{{ messages[0].content }}")

@@ -571,6 +571,8 @@ HOSTILE = [
     (_with(messages=_user({"type": "tool_result", "tool_use_id": "t", "content": [{"type": "document"}]})),
      "messages.0.content.0.content.0"),
     (_with(messages=_user({"type": "tool_use", "id": "t", "name": "f", "input": {}})), "messages.0"),
+    (_with(messages=_user({"type": "redacted_thinking", "data": "x"})), "messages.0"),  # was a 500 (schemathesis)
+    (_with(messages=_user({"type": "thinking", "thinking": "x", "signature": "s"})), "messages.0"),
     (_with(messages=[{"role": "assistant", "content": [{"type": "tool_use", "id": "t", "name": "f", "input": "x"}]}]),
      "messages.0.content.0.input"),
     (_with(messages=[{"role": "assistant", "content": [{"type": "tool_use", "id": "t", "name": "a b", "input": {}}]}]),
