@@ -30,12 +30,12 @@ from pydantic import (Discriminator, Field, StrictBool, Tag, ValidationError, Va
                       model_validator)
 
 from daemon.http.errors import ApiError
-from daemon.http.keys import FLEET, SETTINGS
-from daemon.http.openai_routes import default_limit, generation_model, parse_body, structured_grammar, tool_mode
+from daemon.http.keys import FLEET
+from daemon.http.openai_routes import chat_inputs, chat_job, generation_model, parse_body, tool_mode
 # responses.py's tagged unions: a block of an unknown type is refused by what it is.
 from daemon.http.responses import _Refused, _tagged, _union
 from daemon.http.schemas import (INT32_MAX, MAX_CONTENT_PARTS, MAX_MESSAGES, MAX_STOP_CHARS, MAX_STOPS, MAX_TOOL_CALLS,
-                                 MAX_TOOLS, ChatCompletionRequest, ChatMessageIn, ImagePart, ImageRefused, ImageURL,
+                                 MAX_TOOLS, ChatCompletionRequest, ChatMessageIn, ImagePart, ImageURL,
                                  RequestModel, TextPart, _at_most, _json_within, field_name)
 
 MAX_JSON_DEPTH = 64  # a tool_use's input and a tool's input_schema
@@ -526,36 +526,12 @@ def _renamed(exc: ApiError) -> ApiError:
                     param=anthropic_name(exc.param) if exc.param else None, retry_after=exc.retry_after)
 
 
-def _worker_inputs(request: web.Request, chat: ChatCompletionRequest) -> tuple[list, list]:
-    """(messages, tools) for the worker; images counted and their headers read
-    here, as chat's: the worker never sees one that is refused."""
-    settings = request.app[SETTINGS]
-    try:
-        messages = chat.protocol_messages(settings.max_images_per_request, settings.max_image_pixels)
-    except ImageRefused as exc:
-        raise ApiError(400, f"messages: {exc}", exc.code, param="messages") from None
-    tools = [t.to_protocol() for t in chat.tools or ()] if chat.tool_choice != "none" else []
-    return messages, tools
-
-
 async def messages(request: web.Request) -> web.StreamResponse:
     from daemon.http.anthropic_stream import MessageShape, answer
 
     body = await parse_body(request, MessagesRequest)
     chat = body.chat_request(request.app[FLEET].max_ctx_size)
-    messages_in, tools = _worker_inputs(request, chat)
-    if chat.forces_tool_call and chat.stop:
-        raise ApiError(400, "stop_sequences: a forced tool call (tool_choice any or tool) is the whole answer; a stop "
-                            "sequence would cut its JSON", "invalid_value", param="stop_sequences")
-    try:
-        grammar = await structured_grammar(request, chat, chat=chat)
-    except ApiError as exc:
-        raise _renamed(exc) from None
-    model = generation_model(request, chat)
-    settings = model.controller.settings  # the model's own defaults for what the body leaves out
-    params = chat.sampling(chat.max_tokens or default_limit(settings, chat.token_limit), grammar, None,
-                           defaults=settings)
-    job = model.controller.new_job("messages", params, messages=messages_in, tools=tools, **chat.template_args())
+    model, job = await chat_job(request, chat, "messages", rename=_renamed)
     shape = MessageShape(job.id, model.id, chat.stop)
     return await answer(request, model, job, shape, tool_mode(chat), body.stream)
 
@@ -567,7 +543,7 @@ async def count_tokens(request: web.Request) -> web.Response:
 
     body = await parse_body(request, CountTokensRequest)
     chat = body.chat_request(request.app[FLEET].max_ctx_size)
-    messages_in, tools = _worker_inputs(request, chat)
+    messages_in, tools = chat_inputs(request, chat)
     model = generation_model(request, chat)
     job = model.controller.new_query("messages.count_tokens", "count_chat", messages=messages_in, tools=tools,
                                      **chat.template_args())

@@ -39,12 +39,12 @@ from daemon.fleet.owner import FleetModel
 from daemon.http import ollama_models
 from daemon.http.ollama_models import ollama_model, slot_context
 from daemon.http.errors import ApiError
-from daemon.http.keys import FLEET, SETTINGS
+from daemon.http.keys import FLEET
 from daemon.http.llama_routes import run_query
 from daemon.http.ollama_stream import ChatLines, GenerateLines, answer, check_dimensions, embed_body, load_answer
-from daemon.http.openai_routes import generation_model, parse_body, structured_grammar, tool_mode
+from daemon.http.openai_routes import chat_inputs, generation_model, parse_body, structured_grammar, tool_mode
 from daemon.http.schemas import (MAX_CONTENT_PARTS, MAX_EMBEDDING_INPUTS, MAX_MESSAGES, MAX_TOOL_CALLS, MAX_TOOLS,
-                                 ChatCompletionRequest, CompletionRequest, ImageRefused, RequestModel, _at_most,
+                                 ChatCompletionRequest, CompletionRequest, RequestModel, _at_most,
                                  field_name)
 from statemachine import ServerState
 
@@ -395,14 +395,6 @@ def _generative(request: web.Request, model: FleetModel, body) -> None:
     generation_model(request, body)
 
 
-def _protocol_messages(request: web.Request, body: ChatCompletionRequest):
-    settings = request.app[SETTINGS]
-    try:  # images are counted and their headers read here: the worker never sees one that is refused
-        return body.protocol_messages(settings.max_images_per_request, settings.max_image_pixels)
-    except ImageRefused as exc:
-        raise ApiError(400, f"images: {exc}", exc.code, param="images") from None
-
-
 # -- handlers -----------------------------------------------------------------------
 
 def _asleep_or_gone(model: FleetModel) -> bool:
@@ -433,7 +425,7 @@ async def chat(request: web.Request) -> web.StreamResponse:
     if body.tools:
         data["tools"] = body.tools  # Ollama's tools are OpenAI's; without tool_choice: the model decides
     openai_body = _validate_as(ChatCompletionRequest, data, request)
-    messages = _protocol_messages(request, openai_body)
+    messages = chat_inputs(request, openai_body, "images")[0]
     grammar = await _grammar(request, openai_body, chat=openai_body)
     _generative(request, model, openai_body)
     params = openai_body.sampling(openai_body.token_limit, grammar, openai_body.wanted_logprobs)
@@ -467,7 +459,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
     messages = [OllamaMessage(role="system", content=body.system)] if body.system else []
     messages.append(OllamaMessage(role="user", content=body.prompt, images=body.images))
     openai_body = _validate_as(ChatCompletionRequest, {**fields, "messages": [m.openai() for m in messages]}, request)
-    protocol = _protocol_messages(request, openai_body)
+    protocol = chat_inputs(request, openai_body, "images")[0]
     grammar = await _grammar(request, openai_body, chat=openai_body)
     _generative(request, model, openai_body)
     params = openai_body.sampling(openai_body.token_limit, grammar, openai_body.wanted_logprobs)

@@ -11,7 +11,7 @@ there, so a rejected or timed-out request still gets a proper status code.
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
@@ -403,24 +403,48 @@ async def completions(request: web.Request) -> web.StreamResponse:
     return await run_job(request, model, job, shape, body.stream, body.include_usage)
 
 
+def chat_inputs(request: web.Request, chat: ChatCompletionRequest, param: str = "messages") -> tuple[list, list]:
+    """(messages, tools) for the worker, for every dialect's chat job. Images are
+    counted and their headers read here, so the worker never sees one that is
+    refused (a 400 naming `param`, the dialect's name for the turns); tools
+    go only where tool_choice is not none."""
+    settings = request.app[SETTINGS]
+    try:
+        messages = chat.protocol_messages(settings.max_images_per_request, settings.max_image_pixels)
+    except ImageRefused as exc:
+        raise ApiError(400, f"{param}: {exc}", exc.code, param=param) from None
+    tools = [t.to_protocol() for t in chat.tools or ()] if chat.tool_choice != "none" else []
+    return messages, tools
+
+
+def _same(exc: ApiError) -> ApiError:
+    return exc
+
+
+async def chat_job(request: web.Request, chat: ChatCompletionRequest, endpoint: str, param: str = "messages",
+                   rename: Callable[[ApiError], ApiError] = _same) -> tuple[FleetModel, Job]:
+    """The one chat job that chat completions, Responses and Anthropic Messages
+    run: their body translated to `chat`, refusals renamed into the dialect's
+    words by `rename`."""
+    messages, tools = chat_inputs(request, chat, param)
+    try:
+        if chat.forces_tool_call and chat.stop:
+            raise ApiError(400, "stop: a forced tool call (tool_choice required or named) is the whole answer; "
+                                "cutting it at a string would break its JSON", "invalid_value", param="stop")
+        grammar = await structured_grammar(request, chat, chat=chat)
+    except ApiError as exc:
+        raise rename(exc) from None
+    model = generation_model(request, chat)
+    settings = model.controller.settings  # the model's own defaults for what the body leaves out
+    limit = chat.max_completion_tokens or chat.max_tokens or default_limit(settings, chat.token_limit)
+    params = chat.sampling(limit, grammar, chat.wanted_logprobs, defaults=settings)
+    job = model.controller.new_job(endpoint, params, messages=messages, tools=tools, n=chat.n, **chat.template_args())
+    return model, job
+
+
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     body = await parse_body(request, ChatCompletionRequest)
-    settings = request.app[SETTINGS]
-    try:  # images are counted and their headers read here: the worker never sees one that is refused
-        messages = body.protocol_messages(settings.max_images_per_request, settings.max_image_pixels)
-    except ImageRefused as exc:
-        raise ApiError(400, str(exc), exc.code, param="messages") from None
-    if body.forces_tool_call and body.stop:
-        raise ApiError(400, "stop: a forced tool call (tool_choice required or named) is the whole answer; a stop "
-                            "string would cut its JSON", "invalid_value", param="stop")
-    grammar = await structured_grammar(request, body, chat=body)
-    model = generation_model(request, body)
-    settings = model.controller.settings
-    limit = body.max_completion_tokens or body.max_tokens or default_limit(settings, body.token_limit)
-    params = body.sampling(limit, grammar, body.wanted_logprobs, defaults=settings)
-    tools = [t.to_protocol() for t in body.tools or ()] if body.tool_choice != "none" else []
-    job = model.controller.new_job("chat.completions", params, messages=messages, tools=tools, n=body.n,
-                                   **body.template_args())
+    model, job = await chat_job(request, body, "chat.completions")
     shape = ChatShape(f"chatcmpl-{job.id}", model.id, body.include_usage, logprobs=body.logprobs,
                       fingerprint=system_fingerprint(model.controller.model_path))
     return await run_job(request, model, job, shape, body.stream, body.include_usage, tools=tool_mode(body),

@@ -22,11 +22,11 @@ from pydantic import (ConfigDict, Discriminator, Field, Tag, ValidationError, Va
                       model_validator)
 
 from daemon.http.errors import ApiError
-from daemon.http.keys import FLEET, SETTINGS
-from daemon.http.openai_routes import default_limit, generation_model, parse_body, structured_grammar, tool_mode
+from daemon.http.keys import FLEET
+from daemon.http.openai_routes import chat_inputs, chat_job, generation_model, parse_body, tool_mode
 from daemon.http.schemas import (MAX_CONTENT_PARTS, MAX_MESSAGES, MAX_TOOL_CALLS, MAX_TOOLS,
                                  MAX_TOP_LOGPROBS, ChatCompletionRequest, ChatMessageIn, FunctionIn, ImagePart,
-                                 ImageRefused, ImageURL, RequestModel, TextPart, ToolIn, _at_most, field_name)
+                                 ImageURL, RequestModel, TextPart, ToolIn, _at_most, field_name)
 
 MAX_INCLUDE = 16
 MAX_METADATA = 16  # OpenAI's: 16 pairs, keys of 64 characters, values of 512
@@ -527,37 +527,12 @@ def _renamed(exc: ApiError) -> ApiError:
                     param=responses_name(exc.param) if exc.param else None, retry_after=exc.retry_after)
 
 
-def _messages(request: web.Request, chat: ChatCompletionRequest, param: str) -> list:
-    settings = request.app[SETTINGS]
-    try:  # images are counted and their headers read here, as chat's: the worker never sees one that is refused
-        return chat.protocol_messages(settings.max_images_per_request, settings.max_image_pixels)
-    except ImageRefused as exc:
-        raise ApiError(400, str(exc), exc.code, param=param) from None
-
-
-def _worker_tools(chat: ChatCompletionRequest) -> list:
-    return [t.to_protocol() for t in chat.tools or ()] if chat.tool_choice != "none" else []
-
-
 async def responses(request: web.Request) -> web.StreamResponse:
     from daemon.http.responses_stream import ResponseShape, answer
 
     body = await parse_body(request, ResponsesRequest)
     chat = body.chat_request(request.app[FLEET].max_ctx_size)
-    messages = _messages(request, chat, "input")
-    if chat.forces_tool_call and chat.stop:
-        raise ApiError(400, "stop: a forced tool call (tool_choice required or a function) is the whole answer; a "
-                            "stop string would cut its JSON", "invalid_value", param="stop")
-    try:
-        grammar = await structured_grammar(request, chat, chat=chat)
-    except ApiError as exc:
-        raise _renamed(exc) from None
-    model = generation_model(request, chat)
-    settings = model.controller.settings  # as chat's: the model's own defaults for what the body leaves out
-    limit = chat.max_completion_tokens or default_limit(settings, chat.token_limit)
-    params = chat.sampling(limit, grammar, chat.wanted_logprobs, defaults=settings)
-    job = model.controller.new_job("responses", params, messages=messages, tools=_worker_tools(chat),
-                                   **chat.template_args())
+    model, job = await chat_job(request, chat, "responses", param="input", rename=_renamed)
     shape = ResponseShape(job.id, model.id, body, chat)
     return await answer(request, model, job, shape, tool_mode(chat), body.stream)
 
@@ -565,9 +540,9 @@ async def responses(request: web.Request) -> web.StreamResponse:
 async def _count(request: web.Request, endpoint: str, chat: ChatCompletionRequest, param: str) -> web.Response:
     from daemon.http.llama_routes import run_query
 
-    messages = _messages(request, chat, param)
+    messages, tools = chat_inputs(request, chat, param)
     model = generation_model(request, chat)
-    job = model.controller.new_query(endpoint, "count_chat", messages=messages, tools=_worker_tools(chat),
+    job = model.controller.new_query(endpoint, "count_chat", messages=messages, tools=tools,
                                      **chat.template_args())
     answer = await run_query(request, model, job)
     # llama-server's and OpenAI's shape.
