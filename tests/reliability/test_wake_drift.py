@@ -21,6 +21,7 @@ from tests.reliability.test_reliability import figures
 
 pytestmark = [pytest.mark.reliability, pytest.mark.timeout(900)]
 MIN_CYCLES = 12
+THREADS = 2  # the worker's (start_daemon's --threads)
 WINDOW = 6  # cycles compared (first against last): one slow step on a shared machine is noise
 BODY = {"prompt": "List the planets of the solar system:", "n_predict": 24, "temperature": 0, "cache_prompt": False}
 
@@ -41,7 +42,7 @@ def test_sleep_wake_cycles_do_not_drift(start_daemon, bundled_model):
         nvml = None
     d.http.post("/completion", json=BODY).raise_for_status()  # lazy initialisation, before cycle 1
     tiers = ("drowsy", "light", "deep")
-    rss, speed, accepted, outputs, gpu_left, wakes, cpu_per_token = [], [], [], [], [], [], []
+    rss, speed, accepted, outputs, gpu_left, wakes, cpu_per_token, load = [], [], [], [], [], [], [], []
     started = time.monotonic()
     n = 0
     while n < cycles and (time.monotonic() - started < budget or n < MIN_CYCLES):
@@ -68,6 +69,7 @@ def test_sleep_wake_cycles_do_not_drift(start_daemon, bundled_model):
         before = sum(worker.cpu_times()[:2])
         warm = d.http.post("/completion", json=BODY).json()
         cpu_per_token.append((sum(worker.cpu_times()[:2]) - before) / max(warm["timings"]["predicted_n"], 1))
+        load.append(os.getloadavg()[0])
         n += 1
     elapsed = time.monotonic() - started
     first_speed, last_speed = statistics.median(speed[:WINDOW]), statistics.median(speed[-WINDOW:])
@@ -83,6 +85,7 @@ def test_sleep_wake_cycles_do_not_drift(start_daemon, bundled_model):
             cpu_ms_per_token_first=round(first_cpu * 1000, 2), cpu_ms_per_token_last=round(last_cpu * 1000, 2),
             draft_acceptance_first=round(accepted[0], 3), draft_acceptance_last=round(accepted[-1], 3),
             wake_seconds_median=round(statistics.median(wakes), 3),
+            load_average_max=round(max(load), 2), cores=os.cpu_count(),
             gpu_bytes_after_sleep="not checked (no NVML)" if nvml is None else max(gpu_left, default=0))
     assert n >= MIN_CYCLES
     assert all(o == outputs[0] for o in outputs), "greedy output changed across cycles"
@@ -90,6 +93,14 @@ def test_sleep_wake_cycles_do_not_drift(start_daemon, bundled_model):
     # keeper (and the thread that reads for it), the first drowsy one the first doze.
     growth = max(rss[i] - rss[i % len(tiers)] for i in range(len(rss)))
     assert growth <= 2 * 2**20, f"the daemon's RSS after sleep grew {growth / 2**20:.2f} MiB: {rss}"
-    assert last_cpu <= first_cpu / 0.95, f"decode slowed: {first_cpu * 1000:.2f} -> {last_cpu * 1000:.2f} CPU ms/token"
+    # With other jobs' threads runnable beside this test's own (the worker's 2 threads and the
+    # cores), their share moves the figure more than 5% (a fresh worker of a light or deep cycle,
+    # which cannot have drifted, measured 40% slower at the end of a run at load 6 on 2 cores):
+    # the figures are printed, and the bound is not asserted.
+    oversubscribed = max(load) > (os.cpu_count() or 1) + THREADS
+    if oversubscribed:
+        print(f"[wake_drift] decode speed not asserted: load average up to {max(load):.1f} on {os.cpu_count()} cores")
+    else:
+        assert last_cpu <= first_cpu / 0.95, f"decode slowed: {first_cpu * 1000:.2f} -> {last_cpu * 1000:.2f} CPU ms/token"
     assert all(abs(a - accepted[0]) <= 0.05 for a in accepted), "draft acceptance drifted"
     assert all(b == 0 for b in gpu_left)
