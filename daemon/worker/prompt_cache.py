@@ -162,6 +162,12 @@ class RamTier:
                 "prefixes": sorted((len(e.tokens) for e in self.entries.values()), reverse=True)[:32]}
 
 
+def _grown(old: int, need: int, cap: int) -> int:
+    """A scratch buffer's next size: at least doubled (a conversation's state grows every turn, and
+    each new buffer's pages are faulted in once more), never past the RAM budget unless `need` is."""
+    return max(need, min(2 * old, cap))
+
+
 def _give_back_freed_memory() -> None:
     """Return the freed blocks' pages to the system (glibc keeps freed heap memory for reuse
     otherwise, and the fleet counted it as given back)."""
@@ -253,7 +259,7 @@ class PromptCache:
         start = time.perf_counter()
         if tier == "ram":
             if len(self._scratch) < entry.state_bytes:  # grows to the largest entry restored, kept for the next
-                self._scratch = np.empty(entry.state_bytes, np.uint8)
+                self._scratch = np.empty(_grown(len(self._scratch), entry.state_bytes, self.ram.budget), np.uint8)
             state = joined(self.ram.caches(entry), self._scratch)
             ok = load_state(self.ctx, self.rule, slot, entry.tokens, state)
             self.ram.touch(entry)
@@ -284,7 +290,7 @@ class PromptCache:
         if self.ram is not None and len(self._taken) < self.ram.budget:  # the size of a slot's state at most
             size = llama.llama_state_seq_get_size(self.ctx, slot.id)
             if len(self._taken) < size <= self.ram.budget:  # grows to the largest state saved, kept for the next
-                self._taken = np.empty(size, np.uint8)
+                self._taken = np.empty(_grown(len(self._taken), size, self.ram.budget), np.uint8)
         taken = slot_state(self.ctx, self.rule, slot, self.min_tokens, self._largest(), out=self._taken)
         if taken is None:
             return
