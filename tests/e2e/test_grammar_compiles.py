@@ -73,12 +73,18 @@ def schema_format(schema: dict) -> dict:
     return {"type": "json_schema", "json_schema": {"name": "out", "schema": schema, "strict": True}}
 
 
+_QUIET = None
+
+
 @pytest.fixture(scope="module")
 def vocab(bundled_model):
     from daemon.worker.llama_lib import llama
 
-    quiet = llama.llama_log_callback(lambda level, text, user_data: None)
-    llama.llama_log_set(quiet, None)
+    global _QUIET
+    # llama.cpp keeps the callback's address for the life of the process: the module holds it, so no later
+    # model load in this process logs through freed memory.
+    _QUIET = llama.llama_log_callback(lambda level, text, user_data: None)
+    llama.llama_log_set(_QUIET, None)
     llama.llama_backend_init()
     params = llama.llama_model_default_params()
     params.vocab_only = True
@@ -86,7 +92,8 @@ def vocab(bundled_model):
     assert model, "cannot load the bundled model's vocabulary"
     yield llama, llama.llama_model_get_vocab(model)
     llama.llama_model_free(model)
-    llama.llama_backend_free()
+    # The backend stays up: freeing and initialising it again in one process is what the worker
+    # process exists to avoid (the next module that loads a model here crashed in llama.cpp).
 
 
 def compiles(vocab, gbnf: str) -> bool:

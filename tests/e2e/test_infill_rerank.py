@@ -40,10 +40,11 @@ SLOT_CTX = 1024  # --ctx-size 2048, --parallel 2
 
 
 def _lc():
-    import llama_cpp as lc
-    from llama_cpp._logger import set_verbose
+    # The ctypes bindings as the worker imports them: once daemon.worker.llama_lib is imported (another
+    # test may have), `llama_cpp` is a package without its __init__ (nor its logger), and its names live
+    # in llama_cpp.llama_cpp. llama.cpp's load log goes to stderr, which pytest captures.
+    from daemon.worker.llama_lib import llama as lc
 
-    set_verbose(False)  # llama.cpp's load log, errors aside
     lc.llama_backend_init()
     return lc
 

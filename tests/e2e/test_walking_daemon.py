@@ -70,7 +70,7 @@ def test_completion_sleep_wake_cycle(start_daemon, bundled_model):
     for path in ("/health", "/props", "/slots", "/metrics"):
         assert d.http.get(path).status_code == 200
     time.sleep(0.3)
-    assert d.http.get("/health").json() == {"status": "ok", "state": "sleeping"}
+    assert d.http.get("/health").json() == {"status": "ok", "state": "sleeping", "tier": "deep"}
 
     # The next request wakes it, using the spare, and gets the same greedy answer.
     response = complete(d)
