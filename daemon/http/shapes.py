@@ -49,6 +49,8 @@ def timings(done: p.Done) -> dict[str, Any]:
         "predicted_per_second": round((predicted_n - 1) / done.generation_seconds, 3)
         if predicted_n > 1 and done.generation_seconds > 0 else 0.0,
     }
+    if done.cache_tier:  # where cache_n came from: slot, ram or disk (the prompt cache's tiers)
+        out["cache_tier"] = done.cache_tier
     if done.drafted_tokens > 0:  # as llama-server: only when a draft model proposed tokens
         out["draft_n"] = done.drafted_tokens
         out["draft_n_accepted"] = done.accepted_tokens
