@@ -24,9 +24,8 @@ from pydantic import Field, field_validator
 
 from daemon import protocol as p
 from daemon.http.errors import ApiError
-from daemon.http.llama_routes import (_n_predict, _native_end, _native_error, _native_probs, _native_stream,
-                                      generation_settings)
-from daemon.http.openai_routes import _first_item, _is_failure, generation_model, parse_body, structured_grammar, tracked
+from daemon.http.llama_routes import _n_predict, native_answer
+from daemon.http.openai_routes import generation_model, parse_body, structured_grammar
 from daemon.http.schemas import NativeCompletionRequest, RequestModel, _at_most
 
 MAX_EXTRA_CHUNKS = 1024  # llama.vim sends its ring of 16 (up to 64) chunks
@@ -109,26 +108,8 @@ async def infill(request: web.Request) -> web.StreamResponse:
     params = body.sampling(n_predict if n_predict > 0 else settings.ctx_size, grammar, logprobs, defaults=settings)
     params = msgspec.structs.replace(params, post_sampling_probs=post_sampling)
     job = model.controller.new_job("infill", params, infill=body.to_protocol(), cache_prompt=body.cache_prompt)
-    end = {"generation_settings": generation_settings(params, n_predict, body.stream, body.n_probs, post_sampling)}
-    async with tracked(request, model, job, body.stream):
-        item = await _first_item(request, model, job)
-        if _is_failure(item):
-            raise _native_error(item, body, model)
-        if body.stream:  # as /completion streams (response_fields pick from a whole answer only)
-            return await _native_stream(request, job, model.id, item, body, end)
-        parts, probs = [], []
-        while isinstance(item, p.Tokens):
-            parts.append(item.text)
-            probs.extend(item.logprobs)
-            item = await job.next(None)
-        if _is_failure(item):
-            raise _native_error(item, body, model)
-        content = "".join(parts)
-        answer = {"index": 0, "content": content, "tokens": [e.token for e in probs] if body.return_tokens else [],
-                  **_native_end(item, model.id), **end, "has_new_line": "\n" in content}
-        if body.n_probs:
-            answer["completion_probabilities"] = _native_probs(probs, post_sampling)
-        return web.json_response(pick_fields(answer, body.response_fields) if body.response_fields else answer)
+    pick = (lambda answer: pick_fields(answer, body.response_fields)) if body.response_fields else None
+    return await native_answer(request, model, job, body, params, n_predict, post_sampling, pick)
 
 
 def add_routes(app: web.Application) -> None:

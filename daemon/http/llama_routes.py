@@ -15,6 +15,7 @@ import base64
 import math
 import re
 import struct
+from collections.abc import Callable
 
 import msgspec
 from aiohttp import web
@@ -202,6 +203,13 @@ async def completion(request: web.Request) -> web.StreamResponse:
     params = body.sampling(n_predict if n_predict > 0 else settings.ctx_size, grammar, logprobs, defaults=settings)
     params = msgspec.structs.replace(params, post_sampling_probs=post_sampling)
     job = model.controller.new_job("completion", params, prompt=body.prompt, cache_prompt=body.cache_prompt)
+    return await native_answer(request, model, job, body, params, n_predict, post_sampling)
+
+
+async def native_answer(request: web.Request, model: FleetModel, job: Job, body, params, n_predict: int,
+                        post_sampling: bool, pick: Callable[[dict], dict] | None = None) -> web.StreamResponse:
+    """/completion's answer to a job, whole or streamed; /infill's too (`pick`: its response_fields,
+    applied to a whole answer only, as llama-server does)."""
     end = {"generation_settings": generation_settings(params, n_predict, body.stream, body.n_probs, post_sampling)}
     async with tracked(request, model, job, body.stream):
         item = await _first_item(request, model, job)
@@ -221,7 +229,7 @@ async def completion(request: web.Request) -> web.StreamResponse:
                   **_native_end(item, model.id), **end, "has_new_line": "\n" in content}
         if body.n_probs:
             answer["completion_probabilities"] = _native_probs(probs, post_sampling)
-        return web.json_response(answer)
+        return web.json_response(pick(answer) if pick is not None else answer)
 
 
 def _native_end(done: p.Done, model: str) -> dict:
