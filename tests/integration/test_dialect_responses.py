@@ -19,29 +19,12 @@ from daemon import protocol as p
 from daemon.model.jobs import Job
 from statemachine import ServerState
 from tests.integration.test_http_hardening import daemon, error_of
+from tests.integration.scripted import scripted  # noqa: F401 (a fixture)
 from tests.unit.test_images import png
 
 WEATHER = {"type": "function", "name": "get_weather", "description": "the weather in a city", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"], "additionalProperties": False}}
 CALL = '{"name": "get_weather", "arguments": {"city": "Paris"}}'
-
-
-@pytest.fixture
-def scripted(monkeypatch):
-    """The model's worker replaced by the test: new_job gives a Job the test
-    fills with Tokens and a Done. Yields install(controller) -> the jobs made."""
-    def install(controller) -> list[Job]:
-        jobs: list[Job] = []
-
-        def new_job(endpoint, params, messages=None, tools=(), **fields):
-            job = Job(p.Submit(f"resp-job{len(jobs)}", params, messages=messages, tools=list(tools)), endpoint)
-            jobs.append(job)
-            return job
-
-        monkeypatch.setattr(controller, "new_job", new_job)
-        return jobs
-
-    return install
 
 
 def answer(job: Job, pieces: list[str], reason: str = "stop") -> None:

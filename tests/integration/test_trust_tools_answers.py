@@ -15,31 +15,13 @@ from daemon import protocol as p
 from daemon.http import schemas
 from daemon.model.jobs import Job
 from tests.integration.test_http_hardening import daemon, error_of
+from tests.integration.scripted import scripted  # noqa: F401 (a fixture)
 
 ASK = [{"role": "user", "content": "weather?"}]
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
 TIME = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}}
 CALL = '{"name": "get_weather", "arguments": {"city": "Paris"}}'
-
-
-@pytest.fixture
-def scripted(monkeypatch):
-    """Replaces the model's worker by the test: new_job gives a Job that the
-    test fills with Tokens and a Done. Yields the list of jobs made."""
-    jobs: list[Job] = []
-
-    def install(controller):
-        def new_job(endpoint, params, tools=(), keep_alive=None, max_wait=None, **fields):
-            # as the controller's: `fields` are p.Submit's (prompt or messages, n, the template's arguments)
-            job = Job(p.Submit(f"job{len(jobs)}", params, tools=list(tools), **fields), endpoint)
-            jobs.append(job)
-            return job
-
-        monkeypatch.setattr(controller, "new_job", new_job)
-        return jobs
-
-    return install
 
 
 def answer(job: Job, pieces: list[str], reason: str = "stop") -> None:
