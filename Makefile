@@ -25,7 +25,7 @@ serve: $(VENV)/.installed-test
 	$(BIN)/dormouse serve $(ARGS)
 
 test: $(VENV)/.installed-test
-	$(BIN)/python -m pytest -ra $(ARGS)
+	$(BIN)/python -m pytest -ra --durations=15 $(ARGS)
 
 test-fast: $(VENV)/.installed-test
 	$(BIN)/python -m pytest -ra -m "not e2e and not reliability" $(ARGS)

@@ -42,7 +42,17 @@ def test_each_tier_wakes_to_the_same_greedy_answer(start_daemon, bundled_model):
     assert d.props()["keeper"] is None  # let go once the new worker held the weights
 
     assert d.http.post("/sleep", json={"tier": "deep"}).json()["tier"] == "deep"
+    # Nothing holds the file now: on a busy host the kernel may drop some of its pages before the
+    # wake, and a wake that must read from disk with no disk rate measured yet is a default guess.
+    # Read the file back so the rule under test is the warm one, and check the rule either way.
+    with open(bundled_model, "rb") as f:
+        while f.read(1 << 24):
+            pass
+    disk_rate_known = d.props()["wake_history"]["disk_bytes_per_second"] is not None
     assert d.http.post("/v1/completions", json=BODY).json()["choices"][0]["text"] == first
-    assert d.props()["last_wake"]["predicted"]["basis"] == "measured"  # this host's wakes by now
+    predicted = d.props()["last_wake"]["predicted"]
+    # This host's wakes by now: the cache rate (the light wake) and the fixed cost are measured.
+    expected = "measured" if predicted["cold_bytes"] == 0 or disk_rate_known else "default"
+    assert predicted["basis"] == expected, predicted
     metrics = d.http.get("/metrics").text
     assert "dormouse_wake_prediction_error_seconds_count" in metrics

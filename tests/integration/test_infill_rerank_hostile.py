@@ -113,7 +113,7 @@ async def test_new_endpoints_refuse_wrong_content_type_non_json_and_no_key(path)
         for raw in (b"{not json", b"[1, 2]", b'"x"', b"[" * 100_000, deep + b"]" * 100_000 + b"}"):
             response = await client.post(path, data=raw, headers={**auth, "Content-Type": "application/json"})
             assert (await error_of(response, 400))["code"] == "invalid_json", raw[:10]
-        body = {"query": "q", "documents": ["a"]} if "rank" in path else FIM
+        body = {"query": "q", "documents": ["a"]} if "rank" in path else {**FIM, "n_predict": 2}
         assert (await client.post(path, json=body)).status == 401
         assert (await client.post(path, json=body, headers={"Authorization": "Bearer wrong"})).status == 401
         # With the key: the fake model is no reranker, so rerank is a 400 that says how to configure one.

@@ -117,7 +117,7 @@ async def test_new_endpoints_refuse_wrong_content_type_and_non_json(path):
 
 async def test_new_endpoints_need_the_api_key():
     async with daemon(api_key="k") as (controller, client):
-        for path, body in (("/tokenize", {"content": "x"}), ("/completion", {"prompt": "x"}),
+        for path, body in (("/tokenize", {"content": "x"}), ("/completion", {"prompt": "x", "n_predict": 2}),
                            ("/v1/embeddings", {"input": "x"}), ("/detokenize", {"tokens": [1]}),
                            ("/apply-template", {"messages": ASK})):
             assert (await client.post(path, json=body)).status == 401, path
