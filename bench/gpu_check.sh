@@ -15,12 +15,32 @@ if [ ! -x "$VENV/bin/python" ]; then
   python3 -m venv "$VENV"
   "$VENV/bin/pip" install --quiet --upgrade pip
 fi
+# Offline (a lent device machine reaches no index): everything from the bundle
+# that bench/gpu_bundle.sh gathered and the run carried (GPU_CHECK_BUNDLE).
+BUNDLE=${GPU_CHECK_BUNDLE:-.gpu-bundle}
+if [ -d "$BUNDLE" ]; then
+  echo "installing offline from $BUNDLE"
+  pip=("$VENV/bin/pip" install --quiet --no-index --find-links "$BUNDLE")
+  llama_cpp_python=$(ls "$BUNDLE"/llama_cpp_python-*.tar.gz | head -n1)
+else
+  pip=("$VENV/bin/pip" install --quiet)
+  llama_cpp_python="llama-cpp-python==0.3.36"
+fi
 if ! "$VENV/bin/python" -c "import llama_cpp" 2>/dev/null; then
+  command -v nvcc >/dev/null || [ -x /usr/local/cuda/bin/nvcc ] || { echo "no nvcc: cannot build llama.cpp with CUDA" >&2; exit 2; }
+  export PATH="$PATH:/usr/local/cuda/bin"
   # One architecture only and no native CPU flags: the build stays within minutes.
   CMAKE_ARGS="-DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=${cap} -DGGML_NATIVE=OFF" \
   CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) \
-    "$VENV/bin/pip" install --quiet --no-cache-dir "llama-cpp-python==0.3.36"
+    "${pip[@]}" --no-cache-dir "$llama_cpp_python"
 fi
-"$VENV/bin/pip" install --quiet -e '.[test]'
+if [ -d "$BUNDLE" ]; then
+  # The daemon's dependencies but the bundled model's package (left out of the bundle: 253 MB).
+  "${pip[@]}" aiohttp msgspec pydantic pydantic-settings structlog prometheus-client psutil nvidia-ml-py \
+    jinja2 httpx gguf numpy setuptools wheel
+  "${pip[@]}" --no-deps --no-build-isolation -e .
+else
+  "${pip[@]}" -e '.[test]'
+fi
 "$VENV/bin/python" -m bench.gpu_check
 exec "$VENV/bin/python" -m bench.gpu_check tiers --big-gb "${GPU_CHECK_BIG_GB:-16}"

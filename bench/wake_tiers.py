@@ -12,7 +12,8 @@ dropped with `echo 3 > /proc/sys/vm/drop_caches` where that is writable (CI
 runs as root), else per file with posix_fadvise(DONTNEED), which evicts the
 clean pages of exactly those files (the table says which was used).
 
-Goals: light <= 1.05x a warm bare load; deep cold within 1.3x of size/read
+The daemon runs with the bare load's context (2048 tokens, one slot), so a
+ratio is the cost of the wake itself. Goals: light <= 1.05x a warm bare load; deep cold within 1.3x of size/read
 rate; drowsy < 0.1 s for the bundled model.
 """
 
@@ -39,6 +40,7 @@ for chunk in llm.create_completion("The capital of France is", max_tokens=2, tem
     first = first or time.perf_counter()
 print(json.dumps({{"load": t2 - t1, "load_to_first_token": first - t1}}))
 """
+SAME_CONTEXT = ("--ctx-size", "2048", "--parallel", "1")  # as BARE's Llama(n_ctx=2048)
 BODY = {"prompt": "The capital of France is", "max_tokens": 2, "temperature": 0}
 READ_CHUNK = 8 * 2**20
 
@@ -146,12 +148,14 @@ def bare_load(model: str, threads: int, cold: bool) -> dict:
 
 
 def measure_tiers(model: str, cycles: int, threads: int, state_dir: str, load_mode: str) -> dict:
-    d = Daemon("--sleep-idle-seconds", "-1", model=model, threads=threads,
+    # The bare load's context (BARE: 2048 tokens, one sequence), so that the ratio is the wake's own
+    # cost: with the daemon's default four-slot 4096-token context it would include twice the KV.
+    d = Daemon("--sleep-idle-seconds", "-1", *SAME_CONTEXT, model=model, threads=threads,
                env={"DORMOUSE_STATE_DIR": state_dir, "DORMOUSE_DEEP_AFTER": "-1", "DORMOUSE_LOAD_MODE": load_mode,
                     "DORMOUSE_KV_CACHE_DISK_BYTES": "0"})
     results: dict[str, list[float]] = {"drowsy": [], "light": [], "deep_warm": [], "deep_cold": []}
     wakes: dict[str, list[float]] = {name: [] for name in results}  # the wake itself (to Ready), of each
-    errors: list[tuple[float, str]] = []  # (|measured - predicted| / measured, the prediction's basis)
+    errors: list[tuple[float, str, str]] = []  # (|measured - predicted| / measured, the prediction's basis, tier)
     how = ""
     try:
         d.wait_state("ready", timeout=600)
@@ -171,7 +175,7 @@ def measure_tiers(model: str, cycles: int, threads: int, state_dir: str, load_mo
                 wakes[name].append(wake["seconds"])
                 if wake.get("predicted"):
                     errors.append((abs(wake["seconds"] - wake["predicted"]["seconds"]) / wake["seconds"],
-                                   wake["predicted"]["basis"]))
+                                   wake["predicted"]["basis"], name))
         props = d.props()
     finally:
         d.stop()
@@ -239,7 +243,7 @@ def run(cycles: int = 3, threads: int = 2, big_gb: float = 2.0, load_mode: str =
     data: dict = {}
     modes = compare_load_modes(models[0][1], threads, tempfile.mkdtemp(prefix="load-modes-", dir=work)) \
         if with_modes else []
-    all_errors: list[tuple[float, str]] = []
+    all_errors: list[tuple[float, str, str]] = []
     rows = []
     for name, path in models:
         size = os.path.getsize(path)
@@ -277,12 +281,17 @@ def run(cycles: int = 3, threads: int = 2, big_gb: float = 2.0, load_mode: str =
         data["load_modes"] = modes
     # The predictions that may refuse a request are those from this host's wakes ("measured"); the
     # first wakes of a fresh state directory are predicted from the defaults and said apart.
-    measured = [e for e, basis in all_errors if basis == "measured"]
-    everything = [e for e, _ in all_errors]
+    measured = [e for e, basis, _ in all_errors if basis == "measured"]
+    everything = [e for e, _, _ in all_errors]
     print(f"\nWake prediction error |measured - predicted| / measured (the wake to Ready): "
           f"over {len(measured)} wakes predicted from this host's wakes p50 {percentile(measured, 0.5):.1%}, "
           f"p90 {percentile(measured, 0.9):.1%}; over all {len(everything)} (defaults before any sample included) "
           f"p50 {percentile(everything, 0.5):.1%}, p90 {percentile(everything, 0.9):.1%}")
+    by_tier = {name: [e for e, basis, tier in all_errors if basis == "measured" and tier == name]
+               for name in ("drowsy", "light", "deep_warm", "deep_cold")}
+    print("  by tier (measured basis): " + ", ".join(
+        f"{name} p50 {percentile(v, 0.5):.1%} p90 {percentile(v, 0.9):.1%} (n={len(v)})" for name, v in by_tier.items()))
+    data["prediction_error_by_tier"] = {name: [percentile(v, 0.5), percentile(v, 0.9), len(v)] for name, v in by_tier.items()}
     data["prediction_error_p50"] = percentile(measured, 0.5)
     data["prediction_error_p90"] = percentile(measured, 0.9)
     data["prediction_error_all_p50"] = percentile(everything, 0.5)

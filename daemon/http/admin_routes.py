@@ -66,6 +66,8 @@ async def health(request: web.Request) -> web.Response:
         body["error"] = controller.machine.failure_reason
     if len(fleet.models) > 1:
         body["models"] = {m.id: m.status for m in fleet.models.values()}
+        # Each model's sleep tier beside its status (None: awake or loading), as /v1/models says it.
+        body["tiers"] = {m.id: fleet.describe(m)["tier"] for m in fleet.models.values()}
     return web.json_response(body, status=200 if controller.healthy else 503)
 
 

@@ -61,9 +61,9 @@ undo an operator's own `set server ... state maint` at the next check. A
 weight of 0 has the same effect on new requests (the stats page shows it as
 DRAIN) and the next process's first reply replaces it.
 
-A model in the drowsy or light sleep tier says so after the weight, as
-HAProxy's agent description (shown on its stats page): "up 100% #drowsy",
-"up 0% #light". The deep tier is plain "asleep" and has no tag.
+A sleeping model says its tier after the weight, as HAProxy's agent
+description (shown on its stats page): "up 100% #drowsy", "up 0% #light",
+"up 100% #deep". HAProxy reads the weight and ignores the rest.
 """
 
 from __future__ import annotations
@@ -105,7 +105,7 @@ class ReplicaSnapshot:
     free_slots: int  # slots not serving a request (over the ready models, for the process)
     # model id -> that model's snapshot; empty for one model's own snapshot
     models: tuple[tuple[str, "ReplicaSnapshot"], ...] = ()
-    tier: str | None = None  # drowsy or light: said after the weight as HAProxy's description ("up 100% #drowsy")
+    tier: str | None = None  # drowsy, light or deep: said after the weight as HAProxy's description ("up 100% #drowsy")
 
     def model(self, name: str) -> "ReplicaSnapshot | None":
         """This model's snapshot; None when the replica does not serve it."""
@@ -137,7 +137,7 @@ def model_snapshot(controller) -> ReplicaSnapshot:
         # preferred over waking a sleeping one, as a load under way is (the warm tier).
         return ReplicaSnapshot("waking", 0, tier="drowsy")
     light = state is ServerState.LIGHT_SLEEP or (state is ServerState.UNLOADING and getattr(machine, "tier", None) == "light")
-    return ReplicaSnapshot("asleep", 0, tier="light" if light else None)
+    return ReplicaSnapshot("asleep", 0, tier="light" if light else "deep")
 
 
 def snapshot_of(controllers: Iterable) -> ReplicaSnapshot:

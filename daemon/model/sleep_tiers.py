@@ -76,9 +76,18 @@ class SleepTiers:
             return dataclasses.replace(self.wake_prediction, seconds=left)
         tier = self.machine.tier or "deep"
         if tier == "drowsy":
-            return self.wake_history.predict(self.model_id, "drowsy", 0, 0)
+            return self._predict_rouse()
         nbytes, cold = self._files_in_cache()
         return self.wake_history.predict(self.model_id, tier, nbytes, cold)
+
+    def _predict_rouse(self) -> Prediction:
+        """A drowsy wake creates the contexts again: before this model's first one, the contexts'
+        phases of its latest load (this host, this model, these settings) are the estimate."""
+        contexts = None
+        if self.last_wake and self.last_wake.get("tier") != "drowsy":
+            contexts = sum(ph["seconds"] for ph in self.last_wake.get("phases", [])
+                           if ph["name"] in ("context", "draft_context")) or None
+        return self.wake_history.predict(self.model_id, "drowsy", 0, 0, contexts_seconds=contexts)
 
     def queue_wait(self) -> float:
         """Seconds a new request would wait for a slot behind those already accepted."""
@@ -111,7 +120,8 @@ class SleepTiers:
                           f"request may wait ({bound}); the wake has started", max(1.0, math.ceil(wait)))
 
     def _begin_wake_prediction(self, tier: str, nbytes: int, cold: int) -> None:
-        self.wake_prediction = self.wake_history.predict(self.model_id, tier, nbytes, cold)
+        self.wake_prediction = self._predict_rouse() if tier == "drowsy" else \
+            self.wake_history.predict(self.model_id, tier, nbytes, cold)
         self._wake_started = time.monotonic()
 
     def _record_wake(self, record: dict[str, Any], tier: str, nbytes: int, cold: int) -> None:

@@ -138,9 +138,12 @@ class WakeHistory:
         return {"cache_bytes_per_second": self.cache_rate(), "disk_bytes_per_second": self.disk_rate(),
                 "samples": len(self.samples), "file": str(self.path)}
 
-    def predict(self, model: str, tier: str, nbytes: int, cold_bytes: int) -> Prediction:
+    def predict(self, model: str, tier: str, nbytes: int, cold_bytes: int,
+                contexts_seconds: float | None = None) -> Prediction:
+        """contexts_seconds: for a drowsy wake, what creating this model's contexts took at its
+        latest load, the estimate until the model has drowsy samples of its own."""
         if tier == "drowsy":
-            seconds = _median([s["seconds"] for s in self._recent(("drowsy",), model)])
+            seconds = _median([s["seconds"] for s in self._recent(("drowsy",), model)]) or contexts_seconds
             return Prediction(seconds or DEFAULT_DROWSY_SECONDS, tier, 0, 0, "measured" if seconds else "default")
         cache, disk, fixed = self.cache_rate(), self.disk_rate(), self.fixed_seconds(model)
         cold_bytes = min(max(cold_bytes, 0), nbytes)

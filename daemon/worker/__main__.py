@@ -16,6 +16,7 @@ import argparse  # noqa: E402
 import os  # noqa: E402
 import socket  # noqa: E402
 import sys  # noqa: E402
+import threading  # noqa: E402
 
 from daemon import protocol as p  # noqa: E402
 from daemon.worker.channel import Channel  # noqa: E402
@@ -43,9 +44,11 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_OK  # a spawned-ahead worker that was never needed
 
     spec = message.spec
+    imports = import_beside_the_load(spec)
     runtime = Runtime(spec, on_progress=lambda phase, seconds: channel.send(p.LoadProgress(phase, seconds)))
     try:
         runtime.load()
+        imports.join()
         engine = Engine(runtime, channel.send)
         if spec.warmup:
             warm_up(runtime, engine)
@@ -85,6 +88,29 @@ def main(argv: list[str] | None = None) -> int:
                                devices_before=runtime.devices_before, devices_after=runtime.devices_after,
                                kv_saved_files=saved_files, kv_save_errors=save_errors))
     return EXIT_OK
+
+
+def import_beside_the_load(spec: p.ModelSpec) -> threading.Thread:
+    """Import, on a second thread, the modules the engine will need for this spec (the prompt
+    cache's numpy, the speculator, the projector's bindings) while the main thread loads the
+    weights. The load is llama.cpp's C code, which ctypes runs without the GIL, so the two
+    overlap: measured 0.06-0.12 s of a 0.4 s light wake of the bundled model. A worker spawned
+    ahead of time does not import them before Load: it would hold numpy's ~26 MiB while the
+    daemon sleeps. An import that fails here fails again, and is reported, where the engine needs it."""
+    def run() -> None:
+        try:
+            if not spec.embeddings:
+                import daemon.worker.prompt_cache  # noqa: F401
+            if spec.model_draft:
+                import daemon.worker.speculative  # noqa: F401
+            if spec.mmproj:
+                import daemon.worker.multimodal  # noqa: F401
+        except Exception:  # noqa: BLE001 - see the docstring
+            pass
+
+    thread = threading.Thread(target=run, name="imports", daemon=True)
+    thread.start()
+    return thread
 
 
 def ready(runtime, engine, device_memory) -> p.Ready:

@@ -133,3 +133,4 @@ async def test_metrics_carry_the_model_and_the_fleet():
         assert samples(text, "dormouse_model_footprint_bytes", model="coder", source="measured")
         health = await (await client.get("/health")).json()
         assert health["state"] == "ready" and health["models"]["coder"] == "loaded"
+        assert health["tiers"]["coder"] is None and health["tiers"]["tiny"] == "deep"

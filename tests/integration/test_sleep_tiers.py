@@ -229,7 +229,7 @@ async def test_the_agent_and_the_metrics_say_the_tier(tmp_path):
         predicted = next(line for line in metrics.splitlines() if line.startswith("dormouse_wake_predicted_seconds{"))
         assert float(predicted.split()[-1]) > 0
         await client.post("/sleep", json={"tier": "deep"})
-        assert agent.reply(Question(WAKE, "fake")) == "up 100%\n"  # deep: plain asleep
+        assert agent.reply(Question(WAKE, "fake")) == "up 100% #deep\n"
         assert (await client.post("/v1/completions", json=BODY)).status == 200
         metrics = await (await client.get("/metrics")).text()
         assert 'dormouse_wake_predicted_seconds{model="fake"} 0.0' in metrics

@@ -186,8 +186,8 @@ async def test_agent_over_a_socket_answers_by_role_and_model_and_drains():
         [controller(state, model_id=name) for name, state in states.items()]), Quiet())
     port = agent.server.sockets[0].getsockname()[1]
     try:
-        assert await ask(port, b"serve chat\n") == OFF
-        assert await ask(port, b"wake chat\n") == FULL
+        assert await ask(port, b"serve chat\n") == deep(OFF)  # asleep: the stats page says its tier
+        assert await ask(port, b"wake chat\n") == deep(FULL)
         assert await ask(port, b"wake coder\n") == DOWN
         states["chat"] = S.READY
         assert await ask(port, b"serve chat\n") == FULL
@@ -234,6 +234,11 @@ def held_agent(states: dict[str, S]):
     return agent, clock
 
 
+def deep(line: str) -> str:
+    """A line as a model in the deep sleep tier answers it: its tier after the weight."""
+    return f"{line.rstrip()} #deep\n"
+
+
 def answers(agent: Agent, model: str) -> list[str]:
     return [agent.reply(Question(role, model)) for role in (SERVE, WARM, WAKE, OVERFLOW)]
 
@@ -244,7 +249,7 @@ def test_a_warmer_tier_is_made_before_the_colder_one_breaks():
     with neither on (another replica's sleeper would be woken in it)."""
     states = {"chat": S.SLEEPING, "coder": S.SLEEPING}
     agent, clock = held_agent(states)
-    assert answers(agent, "chat") == [OFF, OFF, FULL, FULL]
+    assert answers(agent, "chat") == [deep(OFF), deep(OFF), deep(FULL), deep(FULL)]
     states["chat"] = S.WAKING
     assert answers(agent, "chat") == [OFF, FULL, FULL, FULL]  # wake held while warm is on
     clock.now += TIER_HOLD_SECONDS / 2
@@ -254,7 +259,7 @@ def test_a_warmer_tier_is_made_before_the_colder_one_breaks():
     assert answers(agent, "chat") == [FULL, FULL, OFF, FULL]  # wake's hold is over
     clock.now += TIER_HOLD_SECONDS / 2
     assert answers(agent, "chat") == [FULL, OFF, OFF, FULL]  # and warm's: the table's answer
-    assert answers(agent, "coder") == [OFF, OFF, FULL, FULL]  # per model: coder never moved
+    assert answers(agent, "coder") == [deep(OFF), deep(OFF), deep(FULL), deep(FULL)]  # per model: coder never moved
 
 
 @pytest.mark.parametrize("colder", [S.UNLOADING, S.FAILED, S.STOPPING])
@@ -265,7 +270,8 @@ def test_a_colder_tier_takes_effect_at_once(colder):
     states["chat"] = S.READY
     assert answers(agent, "chat")[:3] == [FULL, OFF, FULL]  # wake held
     states["chat"] = colder
-    expected = {S.UNLOADING: [OFF, OFF, FULL, FULL], S.FAILED: [DOWN] * 4, S.STOPPING: [OFF] * 4}[colder]
+    expected = {S.UNLOADING: [deep(OFF), deep(OFF), deep(FULL), deep(FULL)], S.FAILED: [DOWN] * 4,
+                S.STOPPING: [OFF] * 4}[colder]
     assert answers(agent, "chat") == expected  # no hold left over
 
 

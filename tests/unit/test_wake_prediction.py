@@ -60,6 +60,15 @@ def test_drowsy_predictions_are_per_model(tmp_path):
     assert h.predict("b", "drowsy", 0, 0).basis == "default"
 
 
+def test_a_first_drowsy_wake_is_predicted_from_the_latest_loads_contexts(tmp_path):
+    h = WakeHistory(tmp_path)
+    first = h.predict("a", "drowsy", 0, 0, contexts_seconds=0.3)
+    assert first.seconds == pytest.approx(0.3) and first.basis == "measured"
+    h.record("a", "drowsy", 0, 0, 0.02, 0.0)  # the model's own drowsy wakes take over once there are some
+    assert h.predict("a", "drowsy", 0, 0, contexts_seconds=0.3).seconds == pytest.approx(0.02)
+    assert h.predict("b", "drowsy", 0, 0, contexts_seconds=None).basis == "default"
+
+
 def test_the_keeper_reads_back_what_the_page_cache_lost(tmp_path):
     path = tmp_path / "weights.gguf"
     path.write_bytes(os.urandom(4 << 20))
