@@ -239,7 +239,7 @@ class SleepTiers:
                             "deep_after": s.deep_after, "load_mode": s.load_mode,
                             "keeper_mlock_bytes": s.keeper_mlock_bytes},
             "wake_prediction": prediction.as_dict() if prediction else None,
-            "wake_history": self.wake_history.figures(),
+            "wake_history": self.wake_history.figures(self.model_id),
             "keeper": self.keeper.describe() if self.keeper else None,
             "last_doze": self.last_doze,
         }

@@ -40,6 +40,7 @@ MAX_FILE_BYTES = 1024 * 1024
 RECENT = 16  # the medians are over this many latest samples
 WARM_FRACTION = 0.05  # at most this much of the file read from disk: a sample of the cache's rate
 COLD_FRACTION = 0.5  # at least this much: a sample of the disk's rate
+MIN_RATE_BYTES = 64 * 2**20  # another model's sample says a rate for this one only from this size on
 
 # Before any sample: modest rates, so a first prediction errs on the slow side.
 DEFAULT_CACHE_RATE = 2e9  # bytes/s from the page cache into the worker
@@ -116,26 +117,38 @@ class WakeHistory:
     def _recent(self, tiers: tuple[str, ...], model: str | None = None) -> list[dict[str, Any]]:
         return [s for s in self.samples if s["tier"] in tiers and (model is None or s["model"] == model)][-RECENT:]
 
-    def cache_rate(self) -> float | None:
-        warm = [s for s in self._recent(("light", "deep")) if s["cold_bytes"] <= WARM_FRACTION * s["bytes"]]
-        return _median([(s["bytes"] - s["cold_bytes"]) / s["weights_seconds"] for s in warm if s["weights_seconds"] > 0])
+    def _rate(self, tiers: tuple[str, ...], model: str | None, keep: Any, read: Any, seconds: Any) -> float | None:
+        """Bytes per second over the latest samples of `tiers` that `keep` accepts: the median of
+        the model's own where it has some (the same file, so the same fixed part in every one);
+        else the median over every model's large enough to measure a rate (a small file's weights
+        phase is mostly fixed cost: 0.5 MB in 0.05 s is no 10 MB/s page cache)."""
+        def pairs(samples: list[dict[str, Any]]) -> list[tuple[float, float]]:
+            found = [(read(s), seconds(s)) for s in samples if keep(s)]
+            return [(b, t) for b, t in found if b > 0 and t > 0]
 
-    def disk_rate(self) -> float | None:
-        cache = self.cache_rate() or DEFAULT_CACHE_RATE
-        cold = [s for s in self._recent(("deep",)) if s["cold_bytes"] >= COLD_FRACTION * s["bytes"]]
-        rates = []
-        for s in cold:
-            disk_seconds = s["weights_seconds"] - (s["bytes"] - s["cold_bytes"]) / cache
-            if disk_seconds > 0:
-                rates.append(s["cold_bytes"] / disk_seconds)
-        return _median(rates)
+        if model is not None:
+            own = pairs(self._recent(tiers, model))
+            if own:
+                return _median([b / t for b, t in own])
+        return _median([b / t for b, t in pairs(self._recent(tiers)) if b >= MIN_RATE_BYTES])
+
+    def cache_rate(self, model: str | None = None) -> float | None:
+        return self._rate(("light", "deep"), model, lambda s: s["cold_bytes"] <= WARM_FRACTION * s["bytes"],
+                          lambda s: s["bytes"] - s["cold_bytes"], lambda s: s["weights_seconds"])
+
+    def disk_rate(self, model: str | None = None) -> float | None:
+        cache = self.cache_rate(model) or DEFAULT_CACHE_RATE
+        return self._rate(("deep",), model, lambda s: s["cold_bytes"] >= COLD_FRACTION * s["bytes"],
+                          lambda s: s["cold_bytes"],
+                          lambda s: s["weights_seconds"] - (s["bytes"] - s["cold_bytes"]) / cache)
 
     def fixed_seconds(self, model: str) -> float | None:
         samples = self._recent(("light", "deep"), model) or self._recent(("light", "deep"))
         return _median([s["seconds"] - s["weights_seconds"] for s in samples])
 
-    def figures(self) -> dict[str, Any]:
-        return {"cache_bytes_per_second": self.cache_rate(), "disk_bytes_per_second": self.disk_rate(),
+    def figures(self, model: str | None = None) -> dict[str, Any]:
+        """The rates a prediction for `model` uses (None: this host's, over every model's samples)."""
+        return {"cache_bytes_per_second": self.cache_rate(model), "disk_bytes_per_second": self.disk_rate(model),
                 "samples": len(self.samples), "file": str(self.path)}
 
     def predict(self, model: str, tier: str, nbytes: int, cold_bytes: int,
@@ -145,7 +158,7 @@ class WakeHistory:
         if tier == "drowsy":
             seconds = _median([s["seconds"] for s in self._recent(("drowsy",), model)]) or contexts_seconds
             return Prediction(seconds or DEFAULT_DROWSY_SECONDS, tier, 0, 0, "measured" if seconds else "default")
-        cache, disk, fixed = self.cache_rate(), self.disk_rate(), self.fixed_seconds(model)
+        cache, disk, fixed = self.cache_rate(model), self.disk_rate(model), self.fixed_seconds(model)
         cold_bytes = min(max(cold_bytes, 0), nbytes)
         seconds = ((fixed if fixed is not None else DEFAULT_FIXED_SECONDS)
                    + (nbytes - cold_bytes) / (cache or DEFAULT_CACHE_RATE)

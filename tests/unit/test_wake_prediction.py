@@ -40,6 +40,21 @@ def test_one_slow_wake_does_not_move_the_median(tmp_path):
     assert h.cache_rate() == pytest.approx(GB)
 
 
+def test_a_small_models_wakes_say_nothing_of_a_large_ones_rate(tmp_path):
+    """Found on a host whose history held a 0.5 MB test model's wakes (0.05 s of weights phase,
+    mostly fixed cost): a first light wake of the 253 MB bundled model was predicted at 26 s."""
+    h = WakeHistory(tmp_path)
+    for _ in range(20):
+        h.record("tiny", "deep", 482_560, 0, seconds=0.11, weights_seconds=0.05)
+    assert h.cache_rate("big") is None and h.cache_rate() is None
+    assert h.predict("big", "light", 253_000_000, 0).seconds < 1.0  # the default rate, not 10 MB/s
+    assert h.cache_rate("tiny") == pytest.approx(482_560 / 0.05)  # its own: the same fixed part each time
+    h.record("other", "light", GB, 0, seconds=0.7, weights_seconds=0.5)  # a large one: a host rate
+    assert h.cache_rate("big") == pytest.approx(2 * GB)
+    # fixed: the median of every sample's (0.06 s), none being big's own
+    assert h.predict("big", "light", 253_000_000, 0).seconds == pytest.approx(0.06 + 253e6 / 2e9)
+
+
 def test_samples_persist_bounded_and_a_bad_file_is_ignored(tmp_path):
     h = WakeHistory(tmp_path)
     for i in range(MAX_SAMPLES + 10):
