@@ -502,6 +502,17 @@ class Controller(SleepTiers):
         self.metrics.set_slots([])
         self.metrics.memory_bytes.clear()
 
+    def _spare_imports(self) -> tuple[str, ...]:
+        """A light-tier model's spare worker imports the engine's modules before it says Hello, so
+        that its wake pays for the weights and the contexts only (issue 19: light within 1.05x a
+        bare load); a deep sleep's spare stays lean (numpy alone is ~26 MiB)."""
+        if self.state is not ServerState.LIGHT_SLEEP:
+            return ()
+        try:
+            return p.engine_modules(self._model_spec(warmup=False))
+        except LoadFailed:  # an unreadable template file: the load will say so
+            return ()
+
     def _model_spec(self, warmup: bool) -> p.ModelSpec:
         s = self.settings
         template = s.chat_template  # Jinja text or a llama.cpp built-in name (worker/chat.py tells them apart)
@@ -637,7 +648,7 @@ class Controller(SleepTiers):
         worker_gone = isinstance(event, (SleepCompleted, WorkerExited, WorkerLoadFailed))
         if worker_gone and self.settings.spawn_ahead and self.state in (ServerState.SLEEPING, ServerState.FAILED,
                                                                           ServerState.LIGHT_SLEEP):
-            self._spawn(self.supervisor.prespawn())
+            self._spawn(self.supervisor.prespawn(self._spare_imports()))
 
     def _cancel_idle_timer(self) -> None:
         if self._idle_timer is not None:

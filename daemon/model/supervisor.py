@@ -116,7 +116,8 @@ class Supervisor:
 
     # -- spawning ---------------------------------------------------------------
 
-    async def _spawn(self) -> Worker:
+    async def _spawn(self, imports: tuple[str, ...] = ()) -> Worker:
+        """imports: engine modules the worker imports before Hello (protocol.engine_modules)."""
         start = time.perf_counter()
         try:
             parent, child = socket.socketpair()
@@ -125,6 +126,7 @@ class Supervisor:
         try:
             proc = await asyncio.create_subprocess_exec(
                 sys.executable, "-m", self.worker_module, "--fd", str(child.fileno()),
+                *(["--import", ",".join(imports)] if imports else []),
                 pass_fds=(child.fileno(),),
                 stdin=asyncio.subprocess.DEVNULL,
                 stdout=asyncio.subprocess.DEVNULL,
@@ -154,13 +156,13 @@ class Supervisor:
         self.log.debug("worker.spawned", pid=worker.pid, import_seconds=round(message.import_seconds, 4))
         return worker
 
-    async def prespawn(self) -> None:
-        """Keep one worker ready to load (imports done, nothing loaded)."""
+    async def prespawn(self, imports: tuple[str, ...] = ()) -> None:
+        """Keep one worker ready to load (imports done, nothing loaded); `imports`: the engine's too."""
         if self.spare is not None or self._spawning is not None:
             return
         self._spawning = asyncio.current_task()
         try:
-            self.spare = await self._spawn()
+            self.spare = await self._spawn(imports)
         except LoadFailed as exc:
             self.log.warning("worker.prespawn_failed", error=str(exc))
         finally:

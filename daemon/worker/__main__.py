@@ -13,6 +13,7 @@ import time
 _t0 = time.perf_counter()
 
 import argparse  # noqa: E402
+import importlib  # noqa: E402
 import os  # noqa: E402
 import socket  # noqa: E402
 import sys  # noqa: E402
@@ -28,6 +29,8 @@ EXIT_LOAD_FAILED = 3
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m daemon.worker")
     parser.add_argument("--fd", type=int, required=True, help="our end of the socketpair")
+    parser.add_argument("--import", dest="imports", default="",
+                        help="engine modules to import before Hello, comma-separated (protocol.ENGINE_MODULES)")
     args = parser.parse_args(argv)
     os.dup2(2, 1)  # anything printed goes to the daemon's log, never into the protocol
 
@@ -38,6 +41,9 @@ def main(argv: list[str] | None = None) -> int:
     from daemon.worker.memory import rss_bytes
     from daemon.worker.runtime import Runtime
 
+    for name in args.imports.split(","):
+        if name in p.ENGINE_MODULES:  # anything else is ignored: the engine imports what it needs anyway
+            importlib.import_module(f"daemon.worker.{name}")
     channel.send(p.Hello(os.getpid(), import_seconds=time.perf_counter() - _t0))
     message = channel.receive()
     if not isinstance(message, p.Load):
@@ -93,18 +99,16 @@ def main(argv: list[str] | None = None) -> int:
 def import_beside_the_load(spec: p.ModelSpec) -> threading.Thread:
     """Import, on a second thread, the modules the engine will need for this spec (the prompt
     cache's numpy, the speculator, the projector's bindings) while the main thread loads the
-    weights. The load is llama.cpp's C code, which ctypes runs without the GIL, so the two
-    overlap: measured 0.06-0.12 s of a 0.4 s light wake of the bundled model. A worker spawned
-    ahead of time does not import them before Load: it would hold numpy's ~26 MiB while the
-    daemon sleeps. An import that fails here fails again, and is reported, where the engine needs it."""
+    weights: the load is llama.cpp's C code, which ctypes runs without the GIL. Measured on 2
+    cores: 0.04 s less to the first token of a light wake of the bundled model (0.45 s of weights
+    phase to hide them in); nothing gained for a 2 GB model whose weights phase is 0.015 s. A
+    worker spawned ahead for a light-tier model imports them before Hello instead (`--import`);
+    one spawned for a deep sleep does not: it would hold numpy's ~26 MiB while the daemon sleeps.
+    An import that fails here fails again, and is reported, where the engine needs it."""
     def run() -> None:
         try:
-            if not spec.embeddings:
-                import daemon.worker.prompt_cache  # noqa: F401
-            if spec.model_draft:
-                import daemon.worker.speculative  # noqa: F401
-            if spec.mmproj:
-                import daemon.worker.multimodal  # noqa: F401
+            for name in p.engine_modules(spec):
+                importlib.import_module(f"daemon.worker.{name}")
         except Exception:  # noqa: BLE001 - see the docstring
             pass
 

@@ -87,6 +87,7 @@ def stop_cut(stops: list[str], n: int) -> tuple[str, str] | None:
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--fd", type=int, required=True)
+    parser.add_argument("--import", dest="imports", default="")  # the real worker's: nothing to import here
     args = parser.parse_args()
     channel = Channel(socket.socket(fileno=args.fd))
     channel.send(p.Hello(os.getpid()))

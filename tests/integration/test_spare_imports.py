@@ -1,0 +1,76 @@
+"""A light-tier model's spare worker has imported the engine's modules before its
+Hello, so that a wake pays for the weights and the contexts only; a deep sleep's
+spare stays lean. The worker side on the real `python -m daemon.worker`, the
+controller side on the fake worker (which takes the same arguments)."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import subprocess
+import sys
+
+import psutil
+import pytest
+
+from daemon import protocol as p
+from statemachine import ServerState as S
+from tests.integration.test_sleep_tiers import tier_daemon, until
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def spec(**fields) -> p.ModelSpec:
+    return p.ModelSpec(**{"model": "m.gguf", "ctx_size": 256, "parallel": 1, **fields})
+
+
+def test_the_engine_modules_follow_the_spec():
+    assert p.engine_modules(spec()) == ("prompt_cache",)
+    assert p.engine_modules(spec(embeddings=True)) == ()  # an embeddings engine keeps no prompt cache
+    assert p.engine_modules(spec(model_draft="d.gguf", mmproj="p.gguf")) == ("prompt_cache", "speculative", "multimodal")
+    assert set(p.engine_modules(spec(model_draft="d", mmproj="p"))) <= set(p.ENGINE_MODULES)
+
+
+def numpy_loaded_after_hello(*args: str) -> bool:
+    """Spawn the real worker, wait for its Hello, say whether numpy's core is mapped in it."""
+    sock, child = socket.socketpair()
+    proc = subprocess.Popen([sys.executable, "-m", "daemon.worker", "--fd", str(child.fileno()), *args],
+                            pass_fds=(child.fileno(),), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    child.close()
+    try:
+        sock.settimeout(60)
+        head = sock.recv(p.HEADER.size, socket.MSG_WAITALL)
+        body = sock.recv(p.HEADER.unpack(head)[0], socket.MSG_WAITALL)
+        assert isinstance(p.decode_for_daemon(body), p.Hello)
+        return any("_multiarray_umath" in m.path for m in psutil.Process(proc.pid).memory_maps())
+    finally:
+        sock.close()  # a spare that is never needed exits on EOF
+        assert proc.wait(30) == 0
+
+
+def test_a_worker_asked_to_imports_the_engines_modules_before_hello_and_ignores_other_names():
+    assert not numpy_loaded_after_hello()  # lean: numpy comes with the engine, after Load
+    assert numpy_loaded_after_hello("--import", "prompt_cache,os,../x,")
+
+
+async def spare_args(controller) -> list[str]:
+    """The spare worker's command line, once it is there (it is spawned after the sleep's report)."""
+    for _ in range(400):
+        if controller.supervisor.spare is not None:
+            return psutil.Process(controller.supervisor.spare.pid).cmdline()
+        await asyncio.sleep(0.05)
+    raise AssertionError("no spare worker within 20 s of the sleep")
+
+
+async def test_a_light_models_spare_imports_the_engine_and_a_deep_ones_does_not(tmp_path):
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"\1" * 4096)
+    async with tier_daemon(deep_after=-1, spawn_ahead=True, state_dir=tmp_path / "state") as (controller, client):
+        controller.model_path = str(gguf)
+        await until(controller, S.READY)
+        await client.post("/sleep", json={"tier": "light"})
+        args = await spare_args(controller)
+        assert args[args.index("--import") + 1] == "prompt_cache"
+        assert (await client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})).status == 200
+        await client.post("/sleep", json={"tier": "deep"})
+        assert "--import" not in await spare_args(controller)
