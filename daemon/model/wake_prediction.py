@@ -142,8 +142,12 @@ class WakeHistory:
                           lambda s: s["cold_bytes"],
                           lambda s: s["weights_seconds"] - (s["bytes"] - s["cold_bytes"]) / cache)
 
-    def fixed_seconds(self, model: str) -> float | None:
-        samples = self._recent(("light", "deep"), model) or self._recent(("light", "deep"))
+    def fixed_seconds(self, model: str, tier: str | None = None) -> float | None:
+        """The part of a wake that is not the weights phase: the tier's own first (a light tier's
+        spare worker has imported the engine already, a deep one's imports it during the wake),
+        then the model's, then any model's."""
+        samples = ((self._recent((tier,), model) if tier in ("light", "deep") else [])
+                   or self._recent(("light", "deep"), model) or self._recent(("light", "deep")))
         return _median([s["seconds"] - s["weights_seconds"] for s in samples])
 
     def figures(self, model: str | None = None) -> dict[str, Any]:
@@ -158,7 +162,7 @@ class WakeHistory:
         if tier == "drowsy":
             seconds = _median([s["seconds"] for s in self._recent(("drowsy",), model)]) or contexts_seconds
             return Prediction(seconds or DEFAULT_DROWSY_SECONDS, tier, 0, 0, "measured" if seconds else "default")
-        cache, disk, fixed = self.cache_rate(model), self.disk_rate(model), self.fixed_seconds(model)
+        cache, disk, fixed = self.cache_rate(model), self.disk_rate(model), self.fixed_seconds(model, tier)
         cold_bytes = min(max(cold_bytes, 0), nbytes)
         seconds = ((fixed if fixed is not None else DEFAULT_FIXED_SECONDS)
                    + (nbytes - cold_bytes) / (cache or DEFAULT_CACHE_RATE)

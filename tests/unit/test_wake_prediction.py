@@ -55,6 +55,19 @@ def test_a_small_models_wakes_say_nothing_of_a_large_ones_rate(tmp_path):
     assert h.predict("big", "light", 253_000_000, 0).seconds == pytest.approx(0.06 + 253e6 / 2e9)
 
 
+def test_each_tier_has_its_own_fixed_cost(tmp_path):
+    """A light wake's spare has imported the engine; a deep wake's imports it during the wake."""
+    h = WakeHistory(tmp_path)
+    for _ in range(3):
+        h.record("m", "light", GB, 0, seconds=0.6, weights_seconds=0.5)  # fixed 0.1 s
+        h.record("m", "deep", GB, 0, seconds=0.7, weights_seconds=0.5)  # fixed 0.2 s
+    assert h.fixed_seconds("m", "light") == pytest.approx(0.1)
+    assert h.fixed_seconds("m", "deep") == pytest.approx(0.2)
+    assert h.predict("m", "light", GB, 0).seconds == pytest.approx(0.6)
+    assert h.predict("m", "deep", GB, 0).seconds == pytest.approx(0.7)
+    assert h.fixed_seconds("other", "light") == pytest.approx(0.15)  # no sample of its own: every model's
+
+
 def test_samples_persist_bounded_and_a_bad_file_is_ignored(tmp_path):
     h = WakeHistory(tmp_path)
     for i in range(MAX_SAMPLES + 10):
