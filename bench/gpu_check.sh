@@ -11,13 +11,13 @@ cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv-cuda}
 cap=$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader | head -n1 | tr -d '.')
 echo "GPU: $(nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | head -n1), compute capability ${cap}"
+BUNDLE=${GPU_CHECK_BUNDLE:-.gpu-bundle}
 if [ ! -x "$VENV/bin/python" ]; then
   python3 -m venv "$VENV"
-  "$VENV/bin/pip" install --quiet --upgrade pip
+  [ -d "$BUNDLE" ] || "$VENV/bin/pip" install --quiet --upgrade pip  # offline: no index to retry against
 fi
 # Offline (a lent device machine reaches no index): everything from the bundle
 # that bench/gpu_bundle.sh gathered and the run carried (GPU_CHECK_BUNDLE).
-BUNDLE=${GPU_CHECK_BUNDLE:-.gpu-bundle}
 if [ -d "$BUNDLE" ]; then
   echo "installing offline from $BUNDLE"
   pip=("$VENV/bin/pip" install --quiet --no-index --find-links "$BUNDLE")
@@ -28,6 +28,8 @@ else
 fi
 if ! "$VENV/bin/python" -c "import llama_cpp" 2>/dev/null; then
   command -v nvcc >/dev/null || [ -x /usr/local/cuda/bin/nvcc ] || { echo "no nvcc: cannot build llama.cpp with CUDA" >&2; exit 2; }
+  # Offline, the build backend cannot fetch a cmake: one must be installed.
+  [ ! -d "$BUNDLE" ] || command -v cmake >/dev/null || { echo "no cmake: cannot build llama.cpp offline" >&2; exit 2; }
   export PATH="$PATH:/usr/local/cuda/bin"
   # One architecture only and no native CPU flags: the build stays within minutes.
   CMAKE_ARGS="-DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=${cap} -DGGML_NATIVE=OFF" \

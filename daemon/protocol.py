@@ -355,12 +355,13 @@ class Error(Message):
     code: str | None = None  # why, for the daemon to act on: "chat_template" (loading again cannot help)
 
 
-def engine_modules(spec: ModelSpec) -> tuple[str, ...]:
-    """The daemon.worker modules an engine for `spec` imports when it starts (the prompt cache's
-    numpy, the speculator, the projector's bindings): a worker imports them beside the load, or
-    before Hello when spawned with `--import` for a model whose wake should be fast (light tier)."""
-    return tuple(name for name, needed in (("prompt_cache", not spec.embeddings), ("speculative", bool(spec.model_draft)),
-                                          ("multimodal", bool(spec.mmproj))) if needed)
+def engine_modules(embeddings: bool, draft: bool, mmproj: bool) -> tuple[str, ...]:
+    """The daemon.worker modules an engine imports when it starts (the prompt cache's numpy, the
+    speculator, the projector's bindings), for a model with or without embeddings, a draft and a
+    projector: a worker imports them beside the load, or before Hello when spawned with `--import`
+    for a model whose wake should be fast (the light tier)."""
+    return tuple(name for name, needed in (("prompt_cache", not embeddings), ("speculative", draft),
+                                          ("multimodal", mmproj)) if needed)
 
 
 ENGINE_MODULES = ("prompt_cache", "speculative", "multimodal")  # what `--import` may name

@@ -505,13 +505,22 @@ class Controller(SleepTiers):
     def _spare_imports(self) -> tuple[str, ...]:
         """A light-tier model's spare worker imports the engine's modules before it says Hello, so
         that its wake pays for the weights and the contexts only (issue 19: light within 1.05x a
-        bare load); a deep sleep's spare stays lean (numpy alone is ~26 MiB)."""
+        bare load); a deep sleep's spare stays lean (numpy alone is ~26 MiB): `_lean_spare`."""
         if self.state is not ServerState.LIGHT_SLEEP:
             return ()
-        try:
-            return p.engine_modules(self._model_spec(warmup=False))
-        except LoadFailed:  # an unreadable template file: the load will say so
-            return ()
+        s = self.settings
+        return p.engine_modules(s.embeddings, s.model_draft is not None, s.mmproj is not None)
+
+    async def _prespawn(self) -> None:
+        await self.supervisor.prespawn(self._spare_imports())
+        if self.state is ServerState.SLEEPING:  # deep by the time it said Hello
+            await self._lean_spare()
+
+    async def _lean_spare(self) -> None:
+        """The model went from light to deep sleep with no worker exiting: its spare, spawned
+        for the light tier, is swapped for one that imported nothing more than a worker must."""
+        if await self.supervisor.drop_importing_spare() and self.state is ServerState.SLEEPING:
+            await self.supervisor.prespawn()
 
     def _model_spec(self, warmup: bool) -> p.ModelSpec:
         s = self.settings
@@ -648,7 +657,10 @@ class Controller(SleepTiers):
         worker_gone = isinstance(event, (SleepCompleted, WorkerExited, WorkerLoadFailed))
         if worker_gone and self.settings.spawn_ahead and self.state in (ServerState.SLEEPING, ServerState.FAILED,
                                                                           ServerState.LIGHT_SLEEP):
-            self._spawn(self.supervisor.prespawn(self._spare_imports()))
+            self._spawn(self._prespawn())
+        spare = self.supervisor.spare
+        if self.state is ServerState.SLEEPING and spare is not None and spare.imports:
+            self._spawn(self._lean_spare())
 
     def _cancel_idle_timer(self) -> None:
         if self._idle_timer is not None:

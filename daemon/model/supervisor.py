@@ -53,6 +53,7 @@ class Worker:
     kill_reason: str | None = None  # why the daemon killed it, if it did
     exited: asyncio.Event = field(default_factory=asyncio.Event)
     tasks: list[asyncio.Task] = field(default_factory=list)
+    imports: tuple[str, ...] = ()  # engine modules it imported before Hello (`--import`)
 
     @property
     def pid(self) -> int:
@@ -139,7 +140,7 @@ class Supervisor:
         finally:
             child.close()
         reader, writer = await asyncio.open_unix_connection(sock=parent)
-        worker = Worker(proc, reader, writer, spawned_at=start)
+        worker = Worker(proc, reader, writer, spawned_at=start, imports=imports)
         worker.tasks.append(asyncio.create_task(self._relay_stderr(worker), name=f"worker-{proc.pid}-stderr"))
         try:
             message = await asyncio.wait_for(self._read(worker), self.hello_timeout)
@@ -167,6 +168,16 @@ class Supervisor:
             self.log.warning("worker.prespawn_failed", error=str(exc))
         finally:
             self._spawning = None
+
+    async def drop_importing_spare(self) -> bool:
+        """End the spare if it imported the engine (a light-tier spare, once its model sleeps
+        deep: nothing is to be held for it then); True if there was one."""
+        spare = self.spare
+        if spare is None or not spare.imports or self._spawning is not None:
+            return False
+        self.spare = None
+        await self._kill(spare)
+        return True
 
     async def _take_worker(self) -> tuple[Worker, float, bool]:
         if self._spawning is not None:

@@ -55,7 +55,7 @@ class Prediction:
     tier: str
     bytes: int
     cold_bytes: int
-    basis: str  # "measured" (from this host's samples) or "default"
+    basis: str  # "measured" (from this host's samples), "load" (a first rouse: the load's contexts) or "default"
 
     def as_dict(self) -> dict[str, Any]:
         return {"seconds": round(self.seconds, 4), "tier": self.tier, "bytes": self.bytes,
@@ -146,12 +146,14 @@ class WakeHistory:
         """The part of a wake that is not the weights phase: the tier's own first (a light tier's
         spare worker has imported the engine already, a deep one's imports it during the wake),
         then the model's, then any model's."""
-        samples = ((self._recent((tier,), model) if tier in ("light", "deep") else [])
-                   or self._recent(("light", "deep"), model) or self._recent(("light", "deep")))
+        own_tier = tier if tier in ("light", "deep") else None
+        samples = ((self._recent((own_tier,), model) if own_tier else []) or self._recent(("light", "deep"), model)
+                   or (self._recent((own_tier,)) if own_tier else []) or self._recent(("light", "deep")))
         return _median([s["seconds"] - s["weights_seconds"] for s in samples])
 
     def figures(self, model: str | None = None) -> dict[str, Any]:
-        """The rates a prediction for `model` uses (None: this host's, over every model's samples)."""
+        """The rates a prediction for `model` uses (None: this host's, over the samples of every
+        model whose files are at least MIN_RATE_BYTES)."""
         return {"cache_bytes_per_second": self.cache_rate(model), "disk_bytes_per_second": self.disk_rate(model),
                 "samples": len(self.samples), "file": str(self.path)}
 
@@ -160,8 +162,14 @@ class WakeHistory:
         """contexts_seconds: for a drowsy wake, what creating this model's contexts took at its
         latest load, the estimate until the model has drowsy samples of its own."""
         if tier == "drowsy":
-            seconds = _median([s["seconds"] for s in self._recent(("drowsy",), model)]) or contexts_seconds
-            return Prediction(seconds or DEFAULT_DROWSY_SECONDS, tier, 0, 0, "measured" if seconds else "default")
+            seconds = _median([s["seconds"] for s in self._recent(("drowsy",), model)])
+            if seconds:
+                return Prediction(seconds, tier, 0, 0, "measured")
+            # Not "measured": a load's first contexts may pay one-time setup a rouse does not, and
+            # only a prediction from the tier's own wakes refuses a request (SleepTiers.too_slow).
+            if contexts_seconds:
+                return Prediction(contexts_seconds, tier, 0, 0, "load")
+            return Prediction(DEFAULT_DROWSY_SECONDS, tier, 0, 0, "default")
         cache, disk, fixed = self.cache_rate(model), self.disk_rate(model), self.fixed_seconds(model, tier)
         cold_bytes = min(max(cold_bytes, 0), nbytes)
         seconds = ((fixed if fixed is not None else DEFAULT_FIXED_SECONDS)

@@ -107,7 +107,7 @@ def import_beside_the_load(spec: p.ModelSpec) -> threading.Thread:
     An import that fails here fails again, and is reported, where the engine needs it."""
     def run() -> None:
         try:
-            for name in p.engine_modules(spec):
+            for name in p.engine_modules(spec.embeddings, bool(spec.model_draft), bool(spec.mmproj)):
                 importlib.import_module(f"daemon.worker.{name}")
         except Exception:  # noqa: BLE001 - see the docstring
             pass

@@ -20,15 +20,11 @@ from tests.integration.test_sleep_tiers import tier_daemon, until
 pytestmark = pytest.mark.timeout(120)
 
 
-def spec(**fields) -> p.ModelSpec:
-    return p.ModelSpec(**{"model": "m.gguf", "ctx_size": 256, "parallel": 1, **fields})
-
-
-def test_the_engine_modules_follow_the_spec():
-    assert p.engine_modules(spec()) == ("prompt_cache",)
-    assert p.engine_modules(spec(embeddings=True)) == ()  # an embeddings engine keeps no prompt cache
-    assert p.engine_modules(spec(model_draft="d.gguf", mmproj="p.gguf")) == ("prompt_cache", "speculative", "multimodal")
-    assert set(p.engine_modules(spec(model_draft="d", mmproj="p"))) <= set(p.ENGINE_MODULES)
+def test_the_engine_modules_follow_the_model():
+    assert p.engine_modules(False, False, False) == ("prompt_cache",)
+    assert p.engine_modules(True, False, False) == ()  # an embeddings engine keeps no prompt cache
+    assert p.engine_modules(False, True, True) == ("prompt_cache", "speculative", "multimodal")
+    assert set(p.engine_modules(False, True, True)) <= set(p.ENGINE_MODULES)
 
 
 def numpy_loaded_after_hello(*args: str) -> bool:
@@ -74,3 +70,24 @@ async def test_a_light_models_spare_imports_the_engine_and_a_deep_ones_does_not(
         assert (await client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})).status == 200
         await client.post("/sleep", json={"tier": "deep"})
         assert "--import" not in await spare_args(controller)
+
+
+async def test_a_light_models_spare_is_swapped_for_a_lean_one_when_it_goes_deep(tmp_path):
+    """No worker exits on the way from light to deep: the importing spare is ended and a lean one spawned."""
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"\1" * 4096)
+    async with tier_daemon(deep_after=-1, spawn_ahead=True, state_dir=tmp_path / "state") as (controller, client):
+        controller.model_path = str(gguf)
+        await until(controller, S.READY)
+        await client.post("/sleep", json={"tier": "light"})
+        assert "--import" in await spare_args(controller)
+        importing = controller.supervisor.spare.pid
+        assert (await (await client.post("/sleep", json={"tier": "deep"})).json())["tier"] == "deep"
+        for _ in range(400):  # the swap is a task of its own
+            spare = controller.supervisor.spare
+            if spare is not None and spare.pid != importing:
+                break
+            await asyncio.sleep(0.05)
+        assert "--import" not in await spare_args(controller)
+        assert not psutil.pid_exists(importing) or psutil.Process(importing).status() == psutil.STATUS_ZOMBIE
+        assert (await client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})).status == 200

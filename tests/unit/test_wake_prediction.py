@@ -51,8 +51,8 @@ def test_a_small_models_wakes_say_nothing_of_a_large_ones_rate(tmp_path):
     assert h.cache_rate("tiny") == pytest.approx(482_560 / 0.05)  # its own: the same fixed part each time
     h.record("other", "light", GB, 0, seconds=0.7, weights_seconds=0.5)  # a large one: a host rate
     assert h.cache_rate("big") == pytest.approx(2 * GB)
-    # fixed: the median of every sample's (0.06 s), none being big's own
-    assert h.predict("big", "light", 253_000_000, 0).seconds == pytest.approx(0.06 + 253e6 / 2e9)
+    # fixed: other models' light wakes' (0.2 s), big having none of its own
+    assert h.predict("big", "light", 253_000_000, 0).seconds == pytest.approx(0.2 + 253e6 / 2e9)
 
 
 def test_each_tier_has_its_own_fixed_cost(tmp_path):
@@ -65,7 +65,8 @@ def test_each_tier_has_its_own_fixed_cost(tmp_path):
     assert h.fixed_seconds("m", "deep") == pytest.approx(0.2)
     assert h.predict("m", "light", GB, 0).seconds == pytest.approx(0.6)
     assert h.predict("m", "deep", GB, 0).seconds == pytest.approx(0.7)
-    assert h.fixed_seconds("other", "light") == pytest.approx(0.15)  # no sample of its own: every model's
+    assert h.fixed_seconds("other", "light") == pytest.approx(0.1)  # no sample of its own: other models' light ones
+    assert h.fixed_seconds("other", None) == pytest.approx(0.15)
 
 
 def test_samples_persist_bounded_and_a_bad_file_is_ignored(tmp_path):
@@ -91,7 +92,7 @@ def test_drowsy_predictions_are_per_model(tmp_path):
 def test_a_first_drowsy_wake_is_predicted_from_the_latest_loads_contexts(tmp_path):
     h = WakeHistory(tmp_path)
     first = h.predict("a", "drowsy", 0, 0, contexts_seconds=0.3)
-    assert first.seconds == pytest.approx(0.3) and first.basis == "measured"
+    assert first.seconds == pytest.approx(0.3) and first.basis == "load"  # it refuses no request
     h.record("a", "drowsy", 0, 0, 0.02, 0.0)  # the model's own drowsy wakes take over once there are some
     assert h.predict("a", "drowsy", 0, 0, contexts_seconds=0.3).seconds == pytest.approx(0.02)
     assert h.predict("b", "drowsy", 0, 0, contexts_seconds=None).basis == "default"
