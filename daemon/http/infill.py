@@ -99,13 +99,12 @@ async def infill(request: web.Request) -> web.StreamResponse:
     settings = model.controller.settings
     if body.n > 1:
         raise ApiError(400, "n: /infill answers one completion (its answer has no choices)", "invalid_value", param="n")
+    # 0: llama.vim's ring update and llama.vscode's extra context read the files into the cache
     n_predict = _n_predict(body, settings)
-    if n_predict == 0:
-        raise ApiError(400, "n_predict: 0 predicts nothing", "invalid_value", param="n_predict")
     logprobs = body.n_probs if body.n_probs else 0 if body.return_tokens else None
     post_sampling = body.post_sampling_probs and body.n_probs > 0
     # -1: until the end of generation or of the slot's context (the worker stops there).
-    params = body.sampling(n_predict if n_predict > 0 else settings.ctx_size, grammar, logprobs, defaults=settings)
+    params = body.sampling(n_predict if n_predict >= 0 else settings.ctx_size, grammar, logprobs, defaults=settings)
     params = msgspec.structs.replace(params, post_sampling_probs=post_sampling)
     job = model.controller.new_job("infill", params, infill=body.to_protocol(), cache_prompt=body.cache_prompt)
     pick = (lambda answer: pick_fields(answer, body.response_fields)) if body.response_fields else None

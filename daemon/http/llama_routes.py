@@ -138,7 +138,9 @@ def default_generation_settings(settings, n_ctx_slot: int) -> dict:
 
 
 def _n_predict(body: NativeCompletionRequest, settings) -> int:
-    """The request's n_predict (or its alias max_tokens), else the server's; -1: until the end."""
+    """The request's n_predict (or its alias max_tokens), else the server's; -1: until the end; 0: the
+    prompt is read (into the slot's cache, which is what editor plugins' warm-ups send it for) and
+    nothing predicted."""
     if "n_predict" in body.model_fields_set:
         return body.n_predict
     if body.max_tokens is not None:
@@ -192,15 +194,12 @@ async def completion(request: web.Request) -> web.StreamResponse:
     if body.n > 1:
         raise ApiError(400, "n: /completion answers one completion (its answer has no choices); use /v1/completions",
                        "invalid_value", param="n")
-    n_predict = _n_predict(body, settings)
-    if n_predict == 0:
-        raise ApiError(400, "n_predict: 0 predicts nothing; use /tokenize to count a prompt's tokens", "invalid_value",
-                       param="n_predict")
+    n_predict = _n_predict(body, settings)  # 0: read the prompt into the cache, predict nothing
     # Token ids come with the logprobs entries: return_tokens alone asks for the chosen token's only.
     logprobs = body.n_probs if body.n_probs else 0 if body.return_tokens else None
     post_sampling = body.post_sampling_probs and body.n_probs > 0
     # -1: until the end of generation or of the slot's context (the worker stops there).
-    params = body.sampling(n_predict if n_predict > 0 else settings.ctx_size, grammar, logprobs, defaults=settings)
+    params = body.sampling(n_predict if n_predict >= 0 else settings.ctx_size, grammar, logprobs, defaults=settings)
     params = msgspec.structs.replace(params, post_sampling_probs=post_sampling)
     job = model.controller.new_job("completion", params, prompt=body.prompt, cache_prompt=body.cache_prompt)
     return await native_answer(request, model, job, body, params, n_predict, post_sampling)

@@ -580,6 +580,9 @@ class Engine:
         if slot.state is SlotState.PROCESSING_PROMPT:
             slot.move(SlotState.GENERATING)
             self._slots_changed = True
+            if job.params.max_tokens <= 0 and job.group is None:  # the prompt read into the cache, nothing to predict
+                self._finish(slot, "length")
+                return None
             if job.group is not None and job.group.reserved:
                 self._fork_choices(slot, index)
                 if slot.job is not job:

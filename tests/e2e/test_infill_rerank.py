@@ -325,13 +325,19 @@ def test_editor_plugins_requests_are_answered(fim):
     assert error["param"] == "lora" and "lora" in error["message"]
     assert post(fim, "/infill", {**vscode, "lora": []})["stop"] is True  # no adapter asked for
     # Both warm the cache with n_predict 0 (llama.vim's ring update, llama.vscode's updateExtraContext):
-    # Dormouse predicts at least one token, and says so by name.
+    # the files are read into a slot's cache and nothing is predicted.
     warm = {"input_prefix": "", "input_suffix": "", "input_extra": EXTRA, "prompt": "", "n_predict": 0,
             "temperature": 0.0, "stream": False, "samplers": [], "cache_prompt": True, "t_max_prompt_ms": 1,
             "t_max_predict_ms": 1, "response_fields": [""]}
-    error = post(fim, "/infill", warm, 400)["error"]
-    assert error["param"] == "n_predict"
-    assert post(fim, "/infill", {**warm, "n_predict": 1}) == {}  # response_fields [""] picks nothing
+    assert post(fim, "/infill", warm) == {}  # response_fields [""] picks nothing
+    read = post(fim, "/infill", {**warm, "input_extra": EXTRA[::-1], "response_fields": []})
+    assert read["content"] == "" and read["tokens_predicted"] == 0 and read["stop_type"] == "limit"
+    assert read["tokens_evaluated"] > 0
+    # What they warm it for: the next completion over the same files reads only what follows them
+    # (the files, then the FIM prefix token; the typed prefix and the rest differ).
+    typed = post(fim, "/infill", {**warm, "input_extra": EXTRA[::-1], "input_prefix": PREFIX, "input_suffix": SUFFIX,
+                                  "n_predict": 2, "response_fields": []})
+    assert typed["tokens_cached"] >= read["tokens_evaluated"] - 3, (typed["tokens_cached"], read["tokens_evaluated"])
 
 
 def test_completions_suffix_answers_as_infill(fim):

@@ -184,6 +184,8 @@ def main() -> int:
                                         "tokens", error_code="invalid_request"))
                 elif message.prompt == "FAIL":
                     channel.send(p.Done(message.request_id, "error", error="prompt too long", error_code="context_length_exceeded"))
+                elif message.params.max_tokens == 0 and message.n == 1:  # as the engine: the prompt, nothing more
+                    channel.send(p.Done(message.request_id, "length", prompt_tokens=3, completion_tokens=0))
                 else:
                     queued[message.request_id] = [message.params, 0, message.n]
             elif isinstance(message, p.Ping):

@@ -87,6 +87,22 @@ def test_system_fingerprint_follows_the_model_file_not_the_process(tmp_path):
     assert system_fingerprint(str(model)) != first
 
 
+@pytest.mark.parametrize("path, body", [("/completion", {"prompt": "x"}),
+                                        ("/infill", {"input_prefix": "a", "input_suffix": "b", "input_extra": []})])
+async def test_n_predict_0_reads_the_prompt_and_predicts_nothing(path, body):
+    """Editor plugins warm the cache with n_predict 0 (llama.vim's ring update): an answer, not an error.
+    On the real worker: tests/e2e/test_infill_rerank.py (and that the next request finds the cache)."""
+    async with compat() as (controller, client):
+        response = await client.post(path, json={**body, "n_predict": 0})
+        answer = await response.json()
+        assert response.status == 200, answer
+        assert (answer["content"], answer["tokens_predicted"], answer["stop_type"]) == ("", 0, "limit")
+        assert answer["generation_settings"]["n_predict"] == 0
+        streamed = await client.post(path, json={**body, "n_predict": 0, "stream": True})
+        events = [line for line in (await streamed.text()).splitlines() if line.startswith("data: ")]
+        assert json.loads(events[-1][6:])["stop"] is True and json.loads(events[-1][6:])["tokens_predicted"] == 0
+
+
 async def test_embeddings_alias():
     async with compat(embeddings=True) as (controller, client):
         response = await client.post("/embeddings", json={"input": ["a", "b"]})

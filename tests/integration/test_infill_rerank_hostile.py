@@ -52,7 +52,6 @@ HOSTILE = [
     ("/infill", {**FIM, "prompt": 5}, "prompt"),
     ("/infill", {**FIM, "n_predict": -2}, "n_predict"),
     ("/infill", {**FIM, "n_predict": 10**12}, "n_predict"),
-    ("/infill", {**FIM, "n_predict": 0}, "n_predict"),
     ("/infill", {**FIM, "n": 2}, "n"),
     ("/infill", {**FIM, "n_probs": 100}, "n_probs"),
     ("/infill", {**FIM, "temperature": -1}, "temperature"),

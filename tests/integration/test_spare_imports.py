@@ -9,6 +9,7 @@ import asyncio
 import socket
 import subprocess
 import sys
+from contextlib import asynccontextmanager
 
 import psutil
 import pytest
@@ -58,28 +59,30 @@ async def spare_args(controller) -> list[str]:
     raise AssertionError("no spare worker within 20 s of the sleep")
 
 
-async def test_a_light_models_spare_imports_the_engine_and_a_deep_ones_does_not(tmp_path):
+@asynccontextmanager
+async def light_sleeping(tmp_path):
+    """A fake-worker daemon with spawn_ahead, put to sleep in the light tier; yields (controller, client)."""
     gguf = tmp_path / "m.gguf"
     gguf.write_bytes(b"\1" * 4096)
     async with tier_daemon(deep_after=-1, spawn_ahead=True, state_dir=tmp_path / "state") as (controller, client):
-        controller.model_path = str(gguf)
+        controller.model_path = str(gguf)  # the keeper maps the model's files; the fake's path is made up
         await until(controller, S.READY)
         await client.post("/sleep", json={"tier": "light"})
+        yield controller, client
+
+
+async def test_a_light_models_spare_imports_the_engine_and_a_deep_ones_does_not(tmp_path):
+    async with light_sleeping(tmp_path) as (controller, client):
         args = await spare_args(controller)
         assert args[args.index("--import") + 1] == "prompt_cache"
         assert (await client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})).status == 200
-        await client.post("/sleep", json={"tier": "deep"})
+        await client.post("/sleep", json={"tier": "deep"})  # from awake: the worker exits, a lean spare follows
         assert "--import" not in await spare_args(controller)
 
 
 async def test_a_light_models_spare_is_swapped_for_a_lean_one_when_it_goes_deep(tmp_path):
     """No worker exits on the way from light to deep: the importing spare is ended and a lean one spawned."""
-    gguf = tmp_path / "m.gguf"
-    gguf.write_bytes(b"\1" * 4096)
-    async with tier_daemon(deep_after=-1, spawn_ahead=True, state_dir=tmp_path / "state") as (controller, client):
-        controller.model_path = str(gguf)
-        await until(controller, S.READY)
-        await client.post("/sleep", json={"tier": "light"})
+    async with light_sleeping(tmp_path) as (controller, client):
         assert "--import" in await spare_args(controller)
         importing = controller.supervisor.spare.pid
         assert (await (await client.post("/sleep", json={"tier": "deep"})).json())["tier"] == "deep"
