@@ -29,29 +29,12 @@ import pytest
 
 from daemon import protocol as p
 from daemon.model.jobs import Job
+from tests.integration.scripted import scripted  # noqa: F401 (a fixture)
 from tests.integration.test_http_hardening import daemon, error_of
 
 ASK = [{"role": "user", "content": "2+2?"}]
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
-
-
-@pytest.fixture
-def scripted(monkeypatch):
-    """new_job gives a Job the test fills; each made job is kept with the
-    fields it was given (what p.Submit carries to the worker)."""
-    jobs: list[Job] = []
-
-    def install(controller):
-        def new_job(endpoint, params, tools=(), **fields):
-            job = Job(p.Submit(f"job{len(jobs)}", params, tools=list(tools), **fields), endpoint)
-            jobs.append(job)
-            return job
-
-        monkeypatch.setattr(controller, "new_job", new_job)
-        return jobs
-
-    return install
 
 
 @pytest.fixture
