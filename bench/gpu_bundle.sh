@@ -35,17 +35,14 @@ find "$vendor/tools" -mindepth 1 -maxdepth 1 ! -name mtmd ! -name CMakeLists.txt
 rm -f "$OUT"/llama_cpp_python-*.tar.gz
 tar -czf "$OUT/$(basename "$src").tar.gz" -C "$work" "$(basename "$src")"
 
-# The daemon's runtime dependencies, the benchmark's (httpx, gguf, numpy) and
+# bench/gpu_requirements.txt (the daemon's and the benchmark's dependencies) and
 # llama-cpp-python's build backend and its own requirements, as wheels.
 version_args=()
 if [ -n "${GPU_BUNDLE_PYTHON_VERSION:-}" ]; then
   version_args=(--python-version "$GPU_BUNDLE_PYTHON_VERSION" --only-binary :all:)
 fi
-"$PY" -m pip download --quiet "${version_args[@]}" -d "$OUT" \
-  "aiohttp>=3.10" "msgspec>=0.18" "pydantic>=2.7" "pydantic-settings>=2.4" "structlog>=24.1" \
-  "prometheus-client>=0.20" "psutil>=5.9" "nvidia-ml-py>=12.535" "jinja2>=3.1" \
-  "httpx>=0.27" "gguf>=0.10" numpy "scikit-build-core[pyproject]>=0.9.2" "typing-extensions>=4.5.0" \
-  "diskcache>=5.6.1" setuptools wheel
+"$PY" -m pip download --quiet "${version_args[@]}" -d "$OUT" -r bench/gpu_requirements.txt \
+  "scikit-build-core[pyproject]>=0.9.2" "typing-extensions>=4.5.0" "diskcache>=5.6.1"
 size=$(du -sb "$OUT" | cut -f1)
 echo "$OUT: $((size / 1048576)) MiB ($(ls "$OUT" | wc -l) files)"
 if [ "$size" -gt $((60 * 1048576)) ]; then

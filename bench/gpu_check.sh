@@ -38,8 +38,7 @@ if ! "$VENV/bin/python" -c "import llama_cpp" 2>/dev/null; then
 fi
 if [ -d "$BUNDLE" ]; then
   # The daemon's dependencies but the bundled model's package (left out of the bundle: 253 MB).
-  "${pip[@]}" aiohttp msgspec pydantic pydantic-settings structlog prometheus-client psutil nvidia-ml-py \
-    jinja2 httpx gguf numpy setuptools wheel
+  "${pip[@]}" -r bench/gpu_requirements.txt
   "${pip[@]}" --no-deps --no-build-isolation -e .
 else
   "${pip[@]}" -e '.[test]'

@@ -408,7 +408,7 @@ class Fleet:
     def describe(self, model: FleetModel) -> dict[str, Any]:
         c = model.controller
         return {"id": model.id, "aliases": list(model.aliases), "status": model.status,
-                "state": str(c.state), "tier": c.machine.tier if c.state is not S.READY else None,
+                "state": str(c.state), "tier": c.sleep_tier,
                 "pinned": model.pinned,
                 "footprint_bytes": {"predicted": model.predicted_bytes, "measured": model.measured_bytes},
                 "default": model.id == self.default}

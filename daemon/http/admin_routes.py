@@ -61,13 +61,13 @@ async def health(request: web.Request) -> web.Response:
     fleet = request.app[FLEET]
     controller = fleet.default_model.controller
     body: dict = {"status": "ok" if controller.healthy else "unavailable", "state": str(controller.state),
-                  "tier": controller.machine.tier if controller.state is not ServerState.READY else None}
+                  "tier": controller.sleep_tier}
     if controller.state is ServerState.FAILED:
         body["error"] = controller.machine.failure_reason
     if len(fleet.models) > 1:
         body["models"] = {m.id: m.status for m in fleet.models.values()}
         # Each model's sleep tier beside its status (None: awake or loading), as /v1/models says it.
-        body["tiers"] = {m.id: fleet.describe(m)["tier"] for m in fleet.models.values()}
+        body["tiers"] = {m.id: m.controller.sleep_tier for m in fleet.models.values()}
     return web.json_response(body, status=200 if controller.healthy else 503)
 
 

@@ -66,6 +66,11 @@ class SleepTiers:
 
     # -- the prediction --
 
+    @property
+    def sleep_tier(self) -> str | None:
+        """The tier the model sleeps in (drowsy, light, deep); None while awake."""
+        return self.machine.tier if self.state is not S.READY else None
+
     def predict_wake(self) -> Prediction | None:
         """What a wake from here would take; None while awake. During a wake: what is left of it."""
         state = self.state
@@ -142,7 +147,7 @@ class SleepTiers:
         self._residency = None
 
     def tier_gauges(self) -> None:
-        self.metrics.set_tier(self.machine.tier if self.state is not S.READY else None)
+        self.metrics.set_tier(self.sleep_tier)
         prediction = self.predict_wake()
         self.metrics.wake_predicted_seconds.set(prediction.seconds if prediction else 0.0)
 
@@ -234,7 +239,7 @@ class SleepTiers:
         s = self.settings
         prediction = self.predict_wake()
         return {
-            "tier": self.machine.tier if self.state is not S.READY else None,
+            "tier": self.sleep_tier,
             "sleep_tiers": {"drowsy_after": s.drowsy_after, "sleep_idle_seconds": s.sleep_idle_seconds,
                             "deep_after": s.deep_after, "load_mode": s.load_mode,
                             "keeper_mlock_bytes": s.keeper_mlock_bytes},

@@ -41,9 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     from daemon.worker.memory import rss_bytes
     from daemon.worker.runtime import Runtime
 
-    for name in args.imports.split(","):
-        if name in p.ENGINE_MODULES:  # anything else is ignored: the engine imports what it needs anyway
-            importlib.import_module(f"daemon.worker.{name}")
+    import_engine_modules(args.imports.split(","))
     channel.send(p.Hello(os.getpid(), import_seconds=time.perf_counter() - _t0))
     message = channel.receive()
     if not isinstance(message, p.Load):
@@ -96,6 +94,14 @@ def main(argv: list[str] | None = None) -> int:
     return EXIT_OK
 
 
+def import_engine_modules(names) -> None:
+    """Import these daemon.worker modules; a name not in protocol.ENGINE_MODULES is ignored
+    (the engine imports what it needs anyway)."""
+    for name in names:
+        if name in p.ENGINE_MODULES:
+            importlib.import_module(f"daemon.worker.{name}")
+
+
 def import_beside_the_load(spec: p.ModelSpec) -> threading.Thread:
     """Import, on a second thread, the modules the engine will need for this spec (the prompt
     cache's numpy, the speculator, the projector's bindings) while the main thread loads the
@@ -107,8 +113,7 @@ def import_beside_the_load(spec: p.ModelSpec) -> threading.Thread:
     An import that fails here fails again, and is reported, where the engine needs it."""
     def run() -> None:
         try:
-            for name in p.engine_modules(spec.embeddings, bool(spec.model_draft), bool(spec.mmproj)):
-                importlib.import_module(f"daemon.worker.{name}")
+            import_engine_modules(p.engine_modules(spec.embeddings, bool(spec.model_draft), bool(spec.mmproj)))
         except Exception:  # noqa: BLE001 - see the docstring
             pass
 
