@@ -166,6 +166,10 @@ class Submit(Message):
     chat_template_kwargs: dict[str, Any] = {}
     add_generation_prompt: bool = True
     continue_final: bool = False
+    # Who may share this request's prompt cache: the named key that sent it and its cache_salt
+    # (daemon/model/jobs.py request_cache_scope). An entry is restored, and counted as cached,
+    # only for a request of the same scope; "" is the scope of requests with neither.
+    cache_scope: str = ""
 
 
 class Cancel(Message):

@@ -31,7 +31,7 @@ from config import Settings
 from daemon import protocol as p
 from daemon.gpu import Nvml
 from daemon.model.files import state_dir
-from daemon.model.jobs import Job, JobFailure
+from daemon.model.jobs import Job, JobFailure, request_cache_scope
 from daemon.model.kv_files import describe_dir
 from daemon.metrics import Metrics
 from daemon.model.reports import phase_seconds, sleep_record, wake_record
@@ -209,6 +209,7 @@ class Controller(SleepTiers):
         `fields` are p.Submit's (prompt or messages, n, cache_prompt, ...).
         keep_alive: how long the model stays awake once idle after it
         (statemachine.events.RequestArrived); None: sleep_idle_seconds."""
+        fields.setdefault("cache_scope", request_cache_scope.get())
         submit = p.Submit(_request_id(endpoint), params, tools=list(tools), **fields)
         return self._accept(Job(submit, endpoint, keep_alive=keep_alive), max_wait)
 

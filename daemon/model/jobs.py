@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import time
 from dataclasses import dataclass, field
 
@@ -18,6 +19,11 @@ class JobFailure:
 
 
 Item = p.Tokens | p.Done | p.Answer | JobFailure
+
+# The prompt-cache scope of the request being handled (p.Submit.cache_scope): set by the
+# HTTP layer from the named key and the body's cache_salt, read by Controller.new_job,
+# so that no route has to thread it through by hand.
+request_cache_scope: contextvars.ContextVar[str] = contextvars.ContextVar("request_cache_scope", default="")
 
 
 @dataclass
