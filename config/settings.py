@@ -11,6 +11,7 @@ import ipaddress
 import json
 import math
 import os
+import re
 import tomllib
 from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal
@@ -25,6 +26,8 @@ from pydantic_settings import (
 )
 
 ENV_PREFIX = "DORMOUSE_"
+MAX_NAMED_KEYS = 256
+KEY_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 
 
 from config.models import ModelSettings, check_chat_template, check_model_ids, parse_size  # noqa: E402
@@ -73,6 +76,27 @@ def normalize_origin(origin: str) -> str:
     host = normalize_host(url.host, strict=True)
     shown = f"[{host}]" if ":" in host else host
     return f"{url.scheme}://{shown}" + ("" if url.is_default_port() else f":{url.port}")
+
+
+def is_loopback_host(host: str) -> bool:
+    """An address literal in 127.0.0.0/8 or ::1 (also ::ffff:127.x), or "localhost": nothing
+    beyond this machine can reach it. A host name is not resolved (it may resolve elsewhere tomorrow)."""
+    host = host.strip().strip("[]").rstrip(".").lower()
+    try:
+        address = ipaddress.ip_address(host.partition("%")[0])
+    except ValueError:
+        return host == "localhost"
+    mapped = getattr(address, "ipv4_mapped", None)  # ::ffff:127.0.0.1
+    return address.is_loopback or (mapped is not None and mapped.is_loopback)
+
+
+def admin_key_problem(host: str, port: int, settings: "Settings") -> str | None:
+    """Why the daemon may not serve on host:port with these settings (no admin_key off loopback), or None."""
+    if is_loopback_host(host) or (settings.admin_key is not None and settings.admin_key.get_secret_value()):
+        return None
+    return (f"admin_key is required when host is {host!r}, not a loopback address: without it anyone who can reach "
+            f"port {port} can put the models to sleep, wake and load them. Set admin_key (DORMOUSE_ADMIN_KEY, or "
+            f"--admin-key), or bind 127.0.0.1")
 
 
 class Settings(BaseSettings):
@@ -128,13 +152,26 @@ class Settings(BaseSettings):
     teardown_timeout: float = Field(15, gt=0, description="how long an ordered teardown may take before the worker is killed")
 
     # -- access --
-    api_key: SecretStr | None = Field(None, description="Bearer key for /v1/*")
-    admin_key: SecretStr | None = Field(None, description="Bearer key for /sleep and /wake")
+    api_key: SecretStr | None = Field(None, description="Bearer key for /v1/* (one unnamed key; api_keys names several)")
+    api_keys: Annotated[dict[str, SecretStr], NoDecode] = Field(
+        default_factory=dict, max_length=MAX_NAMED_KEYS,
+        description="named Bearer keys for /v1/*, beside api_key: {name = key}. A key's name scopes the prompt "
+                    "cache (an entry one key made is never restored or counted for another). In the environment: "
+                    "a JSON object, or name:key pairs separated by commas")
+    admin_key: SecretStr | None = Field(None, description="Bearer key for /sleep, /wake, /models/load|unload, Ollama's "
+                                                          "load and unload (keep_alive); it opens the API routes too")
     max_body_bytes: int = Field(8 * 1024 * 1024, ge=1024)
     allowed_hosts: Annotated[list[str], NoDecode] = Field(
         default_factory=list, max_length=256,
-        description="Host header names (no port) the daemon answers; empty: any. A request naming another host gets "
-                    "403 (a defense against DNS rebinding). A list, or names separated by commas")
+        description="Host header names (no port) the daemon answers beside those it always answers (localhost, "
+                    "*.localhost, loopback addresses, the address it is bound to; bound to 0.0.0.0 or ::, any IP "
+                    "address and this machine's host name); another name gets 403 (a defense against DNS "
+                    "rebinding). \"*\": any host (no check). A list, or names separated by commas")
+    report_cached_tokens: bool = Field(
+        True, description="answers say how many prompt tokens the prompt cache held (usage.prompt_tokens_details."
+                          "cached_tokens, timings.cache_n, tokens_cached, Anthropic's cache_read_input_tokens); "
+                          "false: they read 0 (and /props, /slots hide the cache's counts from non-admin callers), "
+                          "so no answer tells a caller what another request of its scope left in the cache")
     cors_origins: Annotated[list[str], NoDecode] = Field(
         default_factory=list, max_length=256,
         description="browser origins (scheme://host[:port]) whose pages may call the daemon: their requests get "
@@ -250,19 +287,69 @@ class Settings(BaseSettings):
         # wake or load them (POST /sleep, /wake, /models/load): refuse to
         # start open rather than trust the network around the daemon. Only an
         # address literal or "localhost" counts as loopback; a host name is not
-        # resolved here (it may resolve elsewhere tomorrow).
-        host = self.host.strip().strip("[]").rstrip(".").lower()
-        try:
-            address = ipaddress.ip_address(host)
-            mapped = getattr(address, "ipv4_mapped", None)  # ::ffff:127.0.0.1
-            loopback = address.is_loopback or (mapped is not None and mapped.is_loopback)
-        except ValueError:
-            loopback = host == "localhost"
-        if not loopback and (self.admin_key is None or not self.admin_key.get_secret_value()):
-            raise ValueError(
-                f"admin_key is required when host is {self.host!r}, not a loopback address: without it anyone "
-                f"who can reach port {self.port} can put the models to sleep, wake and load them. Set admin_key "
-                f"(DORMOUSE_ADMIN_KEY, or --admin-key), or bind 127.0.0.1")
+        # resolved here (it may resolve elsewhere tomorrow). A socket systemd
+        # passes (socket activation) is judged the same way when the daemon
+        # starts (daemon/server.py): the address it really serves counts.
+        problem = admin_key_problem(self.host, self.port, self)
+        if problem:
+            raise ValueError(problem)
+        return self
+
+    @field_validator("api_keys", mode="before")
+    @classmethod
+    def _named_keys(cls, value: Any) -> Any:
+        # From the environment: a JSON object, or name:key pairs separated by commas.
+        if isinstance(value, str):
+            if value.lstrip().startswith("{"):
+                try:
+                    return json.loads(value)
+                except ValueError:
+                    raise ValueError("is neither a JSON object nor name:key pairs separated by commas") from None
+            pairs = {}
+            for part in (part.strip() for part in value.split(",")):
+                if not part:
+                    continue
+                name, colon, key = part.partition(":")
+                if not colon:
+                    raise ValueError("give name:key pairs separated by commas (or a JSON object)")
+                if name.strip() in pairs:
+                    raise ValueError(f"the name {name.strip()[:64]!r} is given twice")
+                pairs[name.strip()] = key.strip()
+            return pairs
+        if isinstance(value, dict) and len(value) > MAX_NAMED_KEYS:
+            raise ValueError(f"at most {MAX_NAMED_KEYS} named keys, got {len(value)}")
+        return value
+
+    @field_validator("api_keys")
+    @classmethod
+    def _named_keys_valid(cls, value: dict[str, SecretStr]) -> dict[str, SecretStr]:
+        for name, key in value.items():
+            if not KEY_NAME.fullmatch(name):
+                raise ValueError(f"key name {name[:80]!r} must be 1-64 letters, digits, '.', '_' or '-' (starting "
+                                 "with a letter or digit)")
+            try:
+                cls._header_safe_key(key)
+            except ValueError as exc:
+                raise ValueError(f"key {name!r}: {exc}") from None
+        return value
+
+    @model_validator(mode="after")
+    def _distinct_keys(self) -> "Settings":
+        # A key names one caller: two callers with one key would share a cache scope, and an API key
+        # equal to the admin key would make every API caller an admin.
+        seen: dict[str, str] = {}
+        keys = [("api_key", self.api_key)] + [(f"api_keys.{n}", k) for n, k in self.api_keys.items()]
+        for where, key in keys:
+            if key is None:
+                continue
+            secret = key.get_secret_value()
+            if secret in seen:
+                raise ValueError(f"{where} is the same key as {seen[secret]}: every key must be different")
+            seen[secret] = where
+        if self.admin_key is not None and self.admin_key.get_secret_value() in seen:
+            raise ValueError(f"admin_key is the same key as {seen[self.admin_key.get_secret_value()]}: the admin key "
+                             "must differ from every API key (or leave admin_key out: the API key then opens /sleep "
+                             "and /wake)")
         return self
 
     @field_validator("allowed_hosts", mode="before")
@@ -291,7 +378,8 @@ class Settings(BaseSettings):
     @field_validator("allowed_hosts")
     @classmethod
     def _host_names(cls, value: list[str]) -> list[str]:
-        return [normalize_host(name, strict=True) for name in value]
+        # "*": any host at all (the Host check off); else names, normalised as the check compares them.
+        return [name.strip() if name.strip() == "*" else normalize_host(name, strict=True) for name in value]
 
     @field_validator("metrics_compat", mode="before")
     @classmethod
@@ -359,6 +447,7 @@ class Settings(BaseSettings):
         out = self.model_dump(mode="json")
         for key in ("api_key", "admin_key", "metrics_key"):
             out[key] = "********" if getattr(self, key) else None
+        out["api_keys"] = {name: "********" for name in self.api_keys}
         return out
 
 

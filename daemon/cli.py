@@ -45,8 +45,10 @@ _FLAGS: list[tuple[str, dict[str, Any]]] = [
                      "help": "how the worker reads the weights (default auto: mmap where every device supports it)"}),
     ("--wake-timeout", {"type": float, "help": "how long a request waits for a wake before 503 (default 120)"}),
     ("--max-queued", {"type": int, "help": "requests accepted beyond the slots (default 128)"}),
-    ("--api-key", {"help": "Bearer key required on /v1/*"}),
-    ("--admin-key", {"help": "Bearer key required on /sleep and /wake"}),
+    ("--api-key", {"help": "Bearer key required on /v1/*, /api/*, /props and /slots (several named keys: api_keys "
+                           "in the config file, or DORMOUSE_API_KEYS=name:key,name:key)"}),
+    ("--admin-key", {"help": "Bearer key required on /sleep, /wake, /models/load|unload and for Ollama's load and "
+                             "unload (keep_alive); required off loopback"}),
     ("--raw-grammar", {"action": "store_true", "help": "accept llama-server's raw GBNF `grammar` field (trusted clients "
                                                        "only: a grammar can stall every slot)"}),
     ("--n-predict", {"type": int, "help": "tokens a request generates when it names no limit (-1: until the end; "

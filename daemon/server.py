@@ -3,7 +3,7 @@
 systemd sees READY=1 once HTTP is bound (not when a model is loaded: the
 daemon answers /health while it loads), STATUS= follows the models' states,
 WATCHDOG=1 comes from the event loop, SIGHUP reloads the idle timeouts and
-log level without touching the models, SIGTERM drains and tears every model
+log level without touching the models, SIGTERM and SIGINT (Ctrl-C) drain and tear every model
 down in order.
 """
 
@@ -19,11 +19,13 @@ from typing import Any, Callable
 from aiohttp import web
 
 from config import ConfigError, Settings
+from config.settings import admin_key_problem
 from daemon.fleet.metrics import FleetMetrics
 from daemon.fleet.owner import Fleet, FleetModel
 from daemon.fleet.plans import ModelPlan, footprint_store, memory_budget
 from daemon.http.agent import snapshot_of, start_agent
 from daemon.http.app import build_app
+from daemon.http.keys import LISTENING
 from daemon.logs import configure_logging, get_logger
 from daemon.metrics import MetricFamilies, Metrics
 from daemon.model.controller import CANCEL_GRACE_SECONDS, Controller
@@ -107,6 +109,32 @@ def _file_size(path: str) -> int:
         return 0
 
 
+def _open_off_loopback(addresses: list[Any], settings: Settings) -> str | None:
+    """Why serving these socket addresses needs an admin_key that is not set, or None. A Unix
+    socket (a path) reaches local users only, as loopback does."""
+    for address in addresses:
+        if isinstance(address, tuple) and address:
+            problem = admin_key_problem(str(address[0]), int(address[1]), settings)
+            if problem:
+                return problem
+    return None
+
+
+async def _note_listening(app: web.Application, bound: list[Any]) -> None:
+    """The Host check's view of what is served (daemon/http/app.py): the sockets' addresses, and
+    bound to a wildcard address this machine's fully qualified name (looked up off the loop, bounded)."""
+    import socket
+
+    hosts = [str(a[0]) for a in bound if isinstance(a, tuple) and a]
+    fqdn = None
+    if any(host in ("0.0.0.0", "::") for host in hosts):
+        try:
+            fqdn = await asyncio.wait_for(asyncio.get_running_loop().run_in_executor(None, socket.getfqdn), 2.0)
+        except (asyncio.TimeoutError, OSError):
+            fqdn = None
+    app[LISTENING].serve(hosts, fqdn)
+
+
 def fleet_status(fleet: Fleet) -> str:
     """systemd's STATUS=: "state: ready" for one model; "chat: ready, coder: sleeping" for several."""
     if len(fleet.models) == 1:
@@ -116,9 +144,17 @@ def fleet_status(fleet: Fleet) -> str:
 
 async def serve(settings: Settings, plans: list[ModelPlan], reload_settings: Callable[[], Settings] | None = None) -> int:
     log = get_logger()
+    # First thing, so that no signal meets Python's default handler (a KeyboardInterrupt
+    # traceback) while the daemon starts: one that comes early stops it as one that comes late.
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for stop_signal in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(stop_signal, _on_stop_signal, stop_signal, stop, log)
     families = MetricFamilies()
     fleet = build_fleet(settings, plans, families, log)
     notifier = Notifier()
+    if reload_settings is not None:
+        loop.add_signal_handler(signal.SIGHUP, lambda: _reload(fleet, notifier, reload_settings, log))
     for controller in fleet.controllers:
         controller.state_listeners.append(lambda before, after: notifier.status(fleet_status(fleet)))
 
@@ -126,6 +162,13 @@ async def serve(settings: Settings, plans: list[ModelPlan], reload_settings: Cal
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=HTTP_CLOSE_SECONDS)
     await runner.setup()
     sock = inherited_socket()
+    # The admin rule (no admin_key off loopback) is judged on the socket really served: one systemd
+    # passes (socket activation) is bound wherever its unit says, whatever `host` is.
+    refused = _open_off_loopback([sock.getsockname()] if sock else [], settings)
+    if refused:
+        log.error("http.admin_key_required", error=refused, socket_activated=True)
+        await runner.cleanup()
+        return 2
     site: web.BaseSite = web.SockSite(runner, sock) if sock else web.TCPSite(runner, settings.host, settings.port)
     try:
         await site.start()
@@ -134,6 +177,12 @@ async def serve(settings: Settings, plans: list[ModelPlan], reload_settings: Cal
         await runner.cleanup()
         return 1
     bound = [s.getsockname() for s in (runner.server and site._server.sockets or [])]  # type: ignore[union-attr]
+    refused = _open_off_loopback(bound, settings)  # a name that resolved off loopback
+    if refused:
+        log.error("http.admin_key_required", error=refused, socket_activated=sock is not None)
+        await runner.cleanup()
+        return 2
+    await _note_listening(app, bound)
     log.info("http.listening", addresses=[f"{a[0]}:{a[1]}" for a in bound], socket_activated=sock is not None,
              models={p.id: p.model_path for p in plans}, sleep_idle_seconds=settings.sleep_idle_seconds)
     agent = None
@@ -149,12 +198,6 @@ async def serve(settings: Settings, plans: list[ModelPlan], reload_settings: Cal
     planner = asyncio.create_task(fleet.run(), name="fleet")
     owners = {asyncio.create_task(m.controller.run(load_at_start=m.load_at_start), name=f"controller-{m.id}")
               for m in fleet.models.values()}
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    loop.add_signal_handler(signal.SIGTERM, stop.set)
-    loop.add_signal_handler(signal.SIGINT, stop.set)
-    if reload_settings is not None:
-        loop.add_signal_handler(signal.SIGHUP, lambda: _reload(fleet, notifier, reload_settings, log))
     watchdog = asyncio.create_task(_watchdog(notifier)) if watchdog_interval() else None
 
     stop_wait = asyncio.create_task(stop.wait())
@@ -193,6 +236,17 @@ async def serve(settings: Settings, plans: list[ModelPlan], reload_settings: Cal
     log.info("shutdown.done")
     notifier.close()
     return code
+
+
+def _on_stop_signal(sig: signal.Signals, stop: asyncio.Event, log) -> None:
+    """SIGTERM (systemd, docker, kill) and SIGINT (Ctrl-C: the terminal sends it to the daemon
+    alone, workers run in sessions of their own) stop the daemon the same way: requests drain,
+    each model sleeps in order and its prompt caches go to disk (worker.kv_saved says what)."""
+    if stop.is_set():
+        log.info("shutdown.signal_again", signal=sig.name)
+        return
+    log.info("shutdown.signal", signal=sig.name)
+    stop.set()
 
 
 def _per_model(table, fresh: Settings, key: str) -> float:
@@ -249,6 +303,9 @@ def run(settings: Settings, plans: list[ModelPlan], reload_settings: Callable[[]
         get_logger().warning("state_dir.not_locked", path=str(lock.path), error=exc.strerror or str(exc))
     try:
         return asyncio.run(serve(settings, plans, reload_settings))
+    except KeyboardInterrupt:  # a Ctrl-C before serve() took the signals over (or after it gave them back)
+        get_logger().info("shutdown.interrupted")
+        return 130
     finally:
         lock.release()
 

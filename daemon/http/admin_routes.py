@@ -13,7 +13,7 @@ from aiohttp import web
 
 from daemon.fleet.owner import FleetModel
 from daemon.http.errors import ApiError
-from daemon.http.keys import FLEET, METRICS, SETTINGS, model_for, no_room
+from daemon.http.keys import ADMIN_NAME, CALLER, FLEET, METRICS, SETTINGS, model_for, no_room
 from daemon.http.llama_routes import default_generation_settings
 from daemon.protocol import SlotInfo
 from statemachine import TIERS, ServerState, SleepRequested, WakeRequested
@@ -57,10 +57,16 @@ async def tier_param(request: web.Request) -> str | None:
 
 
 async def health(request: web.Request) -> web.Response:
-    """One answer for the process: the default model's, with every model's state beside it."""
+    """One answer for the process: ready (200) while any model can serve (ready, asleep, waking), so
+    a broken model never takes a replica's others out of a balancer; the default model's state and
+    every model's beside it. `?model=ID` (an id or alias): that model's readiness alone, 404 for none."""
     fleet = request.app[FLEET]
+    name = request.query.get("model")
+    if name is not None:
+        return _model_health(model_for(request, name))
     controller = fleet.default_model.controller
-    body: dict = {"status": "ok" if controller.healthy else "unavailable", "state": str(controller.state),
+    serving = any(m.controller.healthy for m in fleet.models.values())
+    body: dict = {"status": "ok" if serving else "unavailable", "state": str(controller.state),
                   "tier": controller.sleep_tier}
     if controller.state is ServerState.FAILED:
         body["error"] = controller.machine.failure_reason
@@ -68,6 +74,15 @@ async def health(request: web.Request) -> web.Response:
         body["models"] = {m.id: m.status for m in fleet.models.values()}
         # Each model's sleep tier beside its status (None: awake or loading), as /v1/models says it.
         body["tiers"] = {m.id: m.controller.sleep_tier for m in fleet.models.values()}
+    return web.json_response(body, status=200 if serving else 503)
+
+
+def _model_health(model: FleetModel) -> web.Response:
+    controller = model.controller
+    body: dict = {"status": "ok" if controller.healthy else "unavailable", "model": model.id,
+                  "state": str(controller.state), "tier": controller.sleep_tier}
+    if controller.state is ServerState.FAILED:
+        body["error"] = controller.machine.failure_reason
     return web.json_response(body, status=200 if controller.healthy else 503)
 
 
@@ -87,7 +102,7 @@ async def props(request: web.Request) -> web.Response:
         "n_ctx": s.ctx_size,
         "n_ctx_slot": c.n_ctx_slot or None,
         "total_slots": s.parallel,
-        "slots": _slots(c),
+        "slots": _slots(c, _hides_cache_counts(request)),
         # llama-server's: what a /completion that sends no sampling field gets (the server's defaults).
         "default_generation_settings": default_generation_settings(s, c.n_ctx_slot or s.ctx_size // s.parallel),
         "sleep_idle_seconds": s.sleep_idle_seconds,
@@ -106,25 +121,32 @@ async def props(request: web.Request) -> web.Response:
         "kv_cache": {**c.kv_saved, "min_tokens": s.kv_cache_min_tokens, "disk_budget_bytes": s.kv_cache_disk_bytes,
                      "ram_budget_bytes": s.prompt_cache_ram_bytes,
                      # Per tier (slot, ram, disk) as the worker last said: hits, tokens, bytes, entries, evictions.
-                     "tiers": c.metrics.prompt_cache if c.slots else {}},  # the RAM tier lives in the worker
+                     "tiers": c.metrics.prompt_cache if c.slots and not _hides_cache_counts(request) else {}},
         "fleet": {"budget_bytes": fleet.budget, "planned_bytes": fleet.planned_bytes(), "admission": fleet.admitting,
                   "models": [fleet.describe(m) for m in fleet.models.values()]},
     })
 
 
-def _slots(c) -> list[dict]:
+def _hides_cache_counts(request: web.Request) -> bool:
+    """report_cached_tokens = false: what the prompt cache holds (a slot's n_cached, the tiers' hits)
+    is shown to the admin key alone, so that no API caller reads another's cache from it."""
+    return not request.app[SETTINGS].report_cached_tokens and request.get(CALLER) != ADMIN_NAME
+
+
+def _slots(c, hide_cached: bool = False) -> list[dict]:
     """Each slot as the worker last said, with llama-server's fields beside the state (n_ctx,
     speculative, is_processing). Asleep (or not loaded yet): the slots exist on paper, idle and empty."""
     infos = c.slots or [SlotInfo(i, "idle") for i in range(c.settings.parallel)]
     n_ctx = c.n_ctx_slot or c.settings.ctx_size // c.settings.parallel
     speculative = c.settings.model_draft is not None
-    return [{"id": x.id, "state": x.state, "request_id": x.request_id, "n_cached": x.n_cached, "n_ctx": n_ctx,
+    return [{"id": x.id, "state": x.state, "request_id": x.request_id, "n_cached": 0 if hide_cached else x.n_cached,
+             "n_ctx": n_ctx,
              "speculative": speculative, "is_processing": x.state != "idle"} for x in infos]
 
 
 async def slots(request: web.Request) -> web.Response:
     c = (await model_param(request) or request.app[FLEET].default_model).controller
-    return web.json_response(_slots(c))
+    return web.json_response(_slots(c, _hides_cache_counts(request)))
 
 
 async def metrics(request: web.Request) -> web.Response:

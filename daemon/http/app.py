@@ -3,9 +3,12 @@ who may call what before any handler runs. Handlers live in openai_routes and
 llama_routes and admin_routes; the controller and settings are reached through AppKeys.
 
 Access, in order (each refusal is an OpenAI error body):
-- Host: with `allowed_hosts` set, a Host header naming another host is 403.
-  A web page on a rebinding domain (evil.example resolving to 127.0.0.1)
-  reaches the daemon with its own name in Host.
+- Host (on by default): a Host header naming a host this daemon is not known
+  by is 403. A web page on a rebinding domain (evil.example resolving to
+  127.0.0.1) reaches the daemon with its own name in Host. Known: localhost,
+  *.localhost, loopback addresses, the addresses it is bound to (bound to
+  0.0.0.0 or ::, any IP address and this machine's host name), and
+  `allowed_hosts` ("*" there: any host).
 - Origin: a POST whose Origin header names another host than Host is 403,
   unless `cors_origins` lists that origin. Browsers send Origin on every
   cross-origin POST (no-cors fetches and form posts included); curl and API
@@ -14,11 +17,17 @@ Access, in order (each refusal is an OpenAI error body):
   send no Authorization on a preflight).
 - Keys: /v1/*, Ollama's /api/*, llama-server's /tokenize, /detokenize,
   /apply-template, /completion, /infill, /rerank and its unversioned aliases
-  of /v1/* (/chat/completions ...), /props and /slots need `api_key` (props and slots expose paths
-  and request ids; the admin key works there too), /sleep and /wake need
-  `admin_key`, or `api_key` when no admin key is set, /health and /metrics
-  need `metrics_key` when one is set. 401 otherwise. Anthropic's clients send
-  the key as `x-api-key`, which is read beside `Authorization: Bearer`.
+  of /v1/* (/chat/completions ...), /props and /slots need an API key
+  (`api_key` or one of the named `api_keys`; props and slots expose paths
+  and request ids; the admin key opens all of these too), /sleep, /wake and
+  /models/load|unload need `admin_key`, or an API key when no admin key is
+  set, /health (and /health?model=ID) and /metrics need `metrics_key` when one
+  is set. 401 otherwise. Anthropic's clients send the key as `x-api-key`,
+  which is read beside `Authorization: Bearer`. The key found names the
+  caller: its name is the request's prompt-cache scope (with the body's
+  cache_salt, openai_routes.parse_body), and only the admin key (or, with no
+  admin key set, any caller that may call /sleep) may load or unload a model
+  through another route (Ollama's keep_alive and empty requests).
 - Content-Type: a POST body must be declared `application/json` (415
   otherwise): a page can POST text/plain or a form cross-origin without a
   preflight, never application/json. /sleep and /wake may have no body and
@@ -35,6 +44,7 @@ generation requests log theirs in openai_routes with their timings.
 from __future__ import annotations
 
 import hmac
+import ipaddress
 import time
 
 from aiohttp import web
@@ -42,11 +52,13 @@ from pydantic import SecretStr
 from yarl import URL
 
 from config import Settings
-from config.settings import normalize_host, normalize_origin
+from config.settings import is_loopback_host, normalize_host, normalize_origin
 from daemon.fleet.owner import Fleet
 from daemon.http.errors import ApiError, dialect_of
-from daemon.http.keys import FLEET, LOG, LOGGED, METRICS, SETTINGS
+from daemon.http.keys import (ADMIN_NAME, CALLER, FLEET, LISTENING, LOG, LOGGED, METRICS, PRIVILEGED, SETTINGS,
+                              Listening, cache_scope)
 from daemon.metrics import MetricFamilies
+from daemon.model.jobs import request_cache_scope
 
 ADMIN_PATHS = frozenset({"/sleep", "/wake", "/models/load", "/models/unload"})
 ADMIN_PREFIXES = ("/slots/",)  # POST /slots/{id}?action=save|restore|erase
@@ -91,11 +103,38 @@ def _split_host(value: str) -> tuple[str, int | None]:
 
 
 def _check_host(request: web.Request, settings: Settings) -> None:
-    if not settings.allowed_hosts:
+    """DNS rebinding: a page on evil.example made to resolve to 127.0.0.1 reaches the daemon with
+    Host: evil.example. Always answered: localhost names, loopback addresses, the address the
+    connection came in on and the bound ones (bound to a wildcard address: any IP address and this
+    machine's host names), and `allowed_hosts`; "*" there turns the check off."""
+    if "*" in settings.allowed_hosts:
         return
     host, _ = _split_host(request.headers.get("Host", ""))
-    if not host or host not in settings.allowed_hosts:
-        raise ApiError(403, "this host name is not served here (allowed_hosts)", "host_not_allowed")
+    if host and _host_served(host, request, settings):
+        return
+    raise ApiError(403, "this host name is not served here: add it to allowed_hosts (a defense against DNS "
+                        "rebinding; localhost and IP addresses the daemon is bound to are always served)",
+                   "host_not_allowed")
+
+
+def _host_served(host: str, request: web.Request, settings: Settings) -> bool:
+    if host in settings.allowed_hosts or host == "localhost" or host.endswith(".localhost"):
+        return True
+    listening = request.app[LISTENING]
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:  # a DNS name: only the ones this daemon is known by
+        return host in listening.names
+    if is_loopback_host(host) or listening.wildcard or address.compressed in listening.addresses:
+        return True
+    # The local address the connection reached (a socket systemd passed, an address of a bound name).
+    sockname = request.transport.get_extra_info("sockname") if request.transport is not None else None
+    if isinstance(sockname, tuple) and sockname:
+        try:
+            return ipaddress.ip_address(str(sockname[0]).partition("%")[0]) == address
+        except ValueError:
+            return False
+    return False
 
 
 def _same_origin(origin: str, host_header: str) -> bool:
@@ -135,30 +174,57 @@ def _bearer(request: web.Request) -> bytes:
     return value.encode("utf-8", "surrogateescape")
 
 
-def _keys_for(path: str, settings: Settings) -> tuple[list[SecretStr], str]:
-    """The keys any one of which opens `path` (none: open), and what to call them."""
-    if path in PROBE_PATHS:
-        return [k for k in (settings.metrics_key,) if k], "metrics key"
-    if path.startswith(API_PREFIXES) or path in LLAMA_SERVER_PATHS:
-        return [k for k in (settings.api_key,) if k], "API key"
-    if path in PRIVATE_GET_PATHS:
-        return ([settings.api_key, settings.admin_key] if settings.api_key else []), "API key"
+def _api_keys(settings: Settings) -> list[tuple[str, SecretStr]]:
+    """Every API key with its name ("" for the unnamed api_key)."""
+    keys = [("", settings.api_key)] if settings.api_key else []
+    return keys + list(settings.api_keys.items())
+
+
+def _is_probe(path: str) -> bool:
+    return path in PROBE_PATHS
+
+
+def _keys_for(path: str, settings: Settings) -> tuple[list[tuple[str, SecretStr]], str]:
+    """The keys (name, key) any one of which opens `path` (none: open), and what to call them.
+    The admin key opens whatever an API key opens: it is the stronger key."""
+    admin = [(ADMIN_NAME, settings.admin_key)] if settings.admin_key else []
+    if _is_probe(path):
+        return [("", k) for k in (settings.metrics_key,) if k], "metrics key"
+    if path.startswith(API_PREFIXES) or path in LLAMA_SERVER_PATHS or path in PRIVATE_GET_PATHS:
+        api = _api_keys(settings)
+        return (api + admin if api else []), "API key"
     if path in ADMIN_PATHS or path.startswith(ADMIN_PREFIXES):
         if settings.admin_key:
-            return [settings.admin_key], "admin key"
-        return [k for k in (settings.api_key,) if k], "API key"
+            return admin, "admin key"
+        return _api_keys(settings), "API key"
     return [], ""
 
 
+def _matching_key(given: bytes, keys: list[tuple[str, SecretStr]]) -> str | None:
+    """The name of the key `given` is, or None. Every key is compared (no early exit), each in constant time."""
+    found = None
+    for name, key in keys:
+        if hmac.compare_digest(given, key.get_secret_value().encode("utf-8", "surrogateescape")) and found is None:
+            found = name
+    return found
+
+
 def _check_key(request: web.Request, settings: Settings) -> None:
+    """Refuse a missing or wrong key; note who called (CALLER, PRIVILEGED) for the handlers."""
     keys, what = _keys_for(request.path, settings)
-    if not keys:
-        return
     given = _bearer(request)
-    # Every key is compared (no early exit), each in constant time.
-    matches = [hmac.compare_digest(given, k.get_secret_value().encode("utf-8", "surrogateescape")) for k in keys if k]
-    if not any(matches):
+    caller = _matching_key(given, keys) if keys else None
+    if keys and caller is None:
         raise ApiError(401, f"missing or wrong {what} (send 'Authorization: Bearer <key>')", "invalid_api_key")
+    if caller is None and given and not _is_probe(request.path):
+        # An open route, but a key was sent: it still names the caller (its cache scope, its privileges).
+        caller = _matching_key(given, _api_keys(settings) + ([(ADMIN_NAME, settings.admin_key)]
+                                                             if settings.admin_key else []))
+    request[CALLER] = caller
+    # What /sleep needs: the admin key; with none set, whatever opens /sleep (the API key, or nothing).
+    request[PRIVILEGED] = caller == ADMIN_NAME if settings.admin_key else \
+        (caller is not None or not _api_keys(settings))
+    request_cache_scope.set(cache_scope(caller, None))
 
 
 def _check_content_type(request: web.Request) -> None:
@@ -280,6 +346,9 @@ def build_app(fleet: Fleet, settings: Settings, metrics: MetricFamilies, log) ->
     app[SETTINGS] = settings
     app[METRICS] = metrics
     app[LOG] = log
+    listening = Listening()
+    listening.bind(settings.host)  # the server corrects it from the sockets it serves (daemon/server.py)
+    app[LISTENING] = listening
     for routes in (openai_routes, llama_routes, responses, anthropic_messages, ollama_api, infill, rerank, admin_routes,
                    slot_files, ui):
         routes.add_routes(app)

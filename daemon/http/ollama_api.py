@@ -23,6 +23,13 @@ ignored):
 - `/api/generate` with an empty prompt, or `/api/chat` with no messages,
   loads the model (done_reason "load"), or with keep_alive 0 unloads it
   ("unload"), as Ollama does.
+- Loading and unloading are the operator's, as POST /sleep and /wake are:
+  with `admin_key` set, a caller without it gets 403 (Ollama's error shape,
+  naming admin_key) for an empty load or unload request and for a keep_alive
+  that unloads (0), holds the model for ever (negative) or longer than
+  MAX_UNPRIVILEGED_KEEP_ALIVE_SECONDS; a keep_alive up to that only delays
+  the idle sleep (never past the fleet's eviction or POST /sleep) and is
+  served. Without admin_key, whoever may call /sleep may do all of it.
 """
 
 from __future__ import annotations
@@ -39,7 +46,7 @@ from daemon.fleet.owner import FleetModel
 from daemon.http import ollama_models
 from daemon.http.ollama_models import ollama_model, slot_context
 from daemon.http.errors import ApiError
-from daemon.http.keys import FLEET
+from daemon.http.keys import FLEET, require_privilege
 from daemon.http.llama_routes import run_query
 from daemon.http.ollama_stream import ChatLines, GenerateLines, answer, check_dimensions, embed_body, load_answer
 from daemon.http.openai_routes import chat_inputs, generation_model, parse_body, structured_grammar, tool_mode
@@ -51,6 +58,9 @@ from statemachine import ServerState
 # -- keep_alive -------------------------------------------------------------------------
 
 MAX_KEEP_ALIVE_SECONDS = 366 * 86400  # longer is "for ever", which a negative value says
+# The longest keep_alive a caller without the admin key may send, when admin_key is set: enough for a
+# conversation's pauses (Ollama's default is 5m), not a hold on the memory the operator's sleep gives back.
+MAX_UNPRIVILEGED_KEEP_ALIVE_SECONDS = 3600.0
 _GO_UNITS = {"ns": 1e-9, "us": 1e-6, "\u00b5s": 1e-6, "\u03bcs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
 _GO_PART = re.compile(r"(\d+\.?\d*|\.\d+)(ns|us|\u00b5s|\u03bcs|ms|s|m|h)")  # "ms" before "m" and "s"
 _PLAIN_SECONDS = re.compile(r"\d+\.?\d*|\.\d+")
@@ -397,6 +407,20 @@ def _generative(request: web.Request, model: FleetModel, body) -> None:
 
 # -- handlers -----------------------------------------------------------------------
 
+def check_keep_alive(request: web.Request, keep_alive: float | None) -> None:
+    """A keep_alive that unloads or holds the model needs what POST /sleep needs (the admin key, when
+    one is set); one that only keeps the model awake a while longer is anyone's."""
+    if keep_alive is None or 0 < keep_alive <= MAX_UNPRIVILEGED_KEEP_ALIVE_SECONDS:
+        return
+    if keep_alive == 0:
+        what = "keep_alive 0 (unload the model)"
+    elif keep_alive < 0:
+        what = "a negative keep_alive (keep the model loaded for ever)"
+    else:
+        what = f"keep_alive over {MAX_UNPRIVILEGED_KEEP_ALIVE_SECONDS:g} seconds (1h)"
+    require_privilege(request, what)
+
+
 def _asleep_or_gone(model: FleetModel) -> bool:
     """Nothing to unload: no worker holds the model, or it is already going to sleep."""
     return model.controller.state not in (ServerState.READY, ServerState.WAKING, ServerState.LOADING)
@@ -407,6 +431,8 @@ async def _load_or_unload(request: web.Request, model: FleetModel, endpoint: str
     """Ollama's load (an empty request) and unload (the same with keep_alive 0): a
     request that reads nothing, so the model wakes, or falls asleep once idle,
     through the one path every request takes."""
+    require_privilege(request, "unloading a model (keep_alive 0)" if keep_alive == 0 else
+                      "loading a model with an empty request")
     if keep_alive == 0 and _asleep_or_gone(model):
         return web.json_response(load_answer(lines, "unload"))
     job = model.controller.new_query(endpoint, "tokenize", text="", keep_alive=keep_alive)
@@ -417,6 +443,7 @@ async def _load_or_unload(request: web.Request, model: FleetModel, endpoint: str
 async def chat(request: web.Request) -> web.StreamResponse:
     body = await parse_body(request, OllamaChatRequest)
     model = ollama_model(request, body.model)
+    check_keep_alive(request, body.keep_alive)
     lines = ChatLines(body.model or model.id, model.controller, logprobs=body.logprobs)
     if not body.messages:
         return await _load_or_unload(request, model, "ollama.chat", body.keep_alive, lines)
@@ -437,6 +464,7 @@ async def chat(request: web.Request) -> web.StreamResponse:
 async def generate(request: web.Request) -> web.StreamResponse:
     body = await parse_body(request, OllamaGenerateRequest)
     model = ollama_model(request, body.model)
+    check_keep_alive(request, body.keep_alive)
     lines = GenerateLines(body.model or model.id, model.controller, logprobs=body.logprobs)
     if not body.prompt and not body.system and not body.images:
         return await _load_or_unload(request, model, "ollama.generate", body.keep_alive, lines)
@@ -489,8 +517,10 @@ def _embeddings_model(request: web.Request, name: str | None, options: dict[str,
 async def embed(request: web.Request) -> web.Response:
     body = await parse_body(request, OllamaEmbedRequest)
     model = _embeddings_model(request, body.model, body.options)
+    check_keep_alive(request, body.keep_alive)
     inputs = [body.input] if isinstance(body.input, str) else list(body.input or ())
     if not inputs:  # Ollama's load: no input, no embeddings
+        require_privilege(request, "loading a model with an empty request")
         job = model.controller.new_query("ollama.embed", "tokenize", text="", keep_alive=body.keep_alive)
         await run_query(request, model, job)
         return web.json_response({"model": body.model or model.id, "embeddings": []})
@@ -506,6 +536,9 @@ async def embeddings(request: web.Request) -> web.Response:
     """Ollama's older endpoint: one prompt, one `embedding`."""
     body = await parse_body(request, OllamaLegacyEmbeddingsRequest)
     model = _embeddings_model(request, body.model, body.options)
+    check_keep_alive(request, body.keep_alive)
+    if not body.prompt:  # Ollama's load
+        require_privilege(request, "loading a model with an empty request")
     kind, fields = ("embed", {"inputs": [body.prompt]}) if body.prompt else ("tokenize", {"text": ""})
     job = model.controller.new_query("ollama.embeddings", kind, keep_alive=body.keep_alive, **fields)
     result = await run_query(request, model, job)

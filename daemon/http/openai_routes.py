@@ -23,8 +23,8 @@ from pydantic import BaseModel, ValidationError
 from daemon import protocol as p
 from daemon.http.errors import ApiError
 from daemon.fleet.owner import FleetModel
-from daemon.http.keys import FLEET, JOB, LOG, LOGGED, SETTINGS, model_for, no_room
-from daemon.model.jobs import Job, JobFailure
+from daemon.http.keys import CALLER, FLEET, JOB, LOG, LOGGED, SETTINGS, cache_scope, model_for, no_room
+from daemon.model.jobs import Job, JobFailure, request_cache_scope
 from daemon.http.schemas import (BodyError, ChatCompletionRequest, CompletionRequest, ImageRefused, SamplingFields,
                                   decode_body, field_name)
 from daemon.http.shapes import ChatShape, CompletionShape, _Shape, system_fingerprint
@@ -50,12 +50,16 @@ async def parse_body(request: web.Request, model: type[BaseModel]) -> BaseModel:
     except BodyError as exc:
         raise ApiError(400, str(exc), "invalid_value", param=exc.param) from None
     try:
-        return model.model_validate(data, context={"max_prompt_tokens": max_prompt_tokens})
+        body = model.model_validate(data, context={"max_prompt_tokens": max_prompt_tokens})
     except ValidationError as exc:
         err = exc.errors()[0]
         name = field_name(err["loc"]) or "body"
         message = str(err["msg"]).removeprefix("Value error, ")
         raise ApiError(400, f"{name}: {message}", "invalid_value", param=name) from None
+    salt = getattr(body, "cache_salt", None)
+    if salt is not None:  # the key's scope (set by the access check) narrowed by the body's salt
+        request_cache_scope.set(cache_scope(request.get(CALLER), salt))
+    return body
 
 
 # Worker error codes that are the request's fault.
@@ -173,6 +177,8 @@ async def tracked(request: web.Request, model: FleetModel, job: Job, stream: boo
     ends, the job is let go (a no-op once finished; frees its slot if the
     client left) and the request gets its one log line and its metrics."""
     structlog.contextvars.bind_contextvars(request_id=job.id)
+    if not request.app[SETTINGS].report_cached_tokens:
+        _without_cache_counts(job)
     request[LOGGED] = True  # the line below, with the job's timings
     request[JOB] = job  # the cold-start headers (daemon/http/cold_start.py)
     status, code = 200, None
@@ -191,6 +197,26 @@ async def tracked(request: web.Request, model: FleetModel, job: Job, stream: boo
         metrics.request_seconds.labels(endpoint=job.endpoint, outcome="ok" if status == 200 else "error").observe(
             time.monotonic() - job.accepted_at)
         structlog.contextvars.unbind_contextvars("request_id")
+
+
+def _without_cache_counts(job: Job) -> None:
+    """report_cached_tokens = false: every item this request's answer is written from says the
+    prompt cache held nothing (cached_tokens, cache_n, tokens_cached, cache_read_input_tokens read 0),
+    whatever dialect writes it; the worker's own accounting (metrics) is untouched."""
+    if getattr(job, "_counts_hidden", False):
+        return
+    receive = job.next
+
+    async def next_item(wake_limit: float | None):
+        item = await receive(wake_limit)
+        if isinstance(item, p.Done) and (item.cached_tokens or item.restored_tokens or item.cache_tier):
+            return msgspec.structs.replace(item, cached_tokens=0, restored_tokens=0, cache_tier="")
+        if isinstance(item, p.Tokens) and item.n_cached_tokens:
+            return msgspec.structs.replace(item, n_cached_tokens=0)
+        return item
+
+    job.next = next_item  # type: ignore[method-assign]  # this job's alone (an instance attribute)
+    job._counts_hidden = True  # type: ignore[attr-defined]
 
 
 async def open_event_stream(request: web.Request, job: Job) -> web.StreamResponse:

@@ -26,7 +26,7 @@ from daemon.http.keys import FLEET
 from daemon.http.openai_routes import chat_inputs, chat_job, generation_model, parse_body, tool_mode
 from daemon.http.schemas import (MAX_CONTENT_PARTS, MAX_MESSAGES, MAX_TOOL_CALLS, MAX_TOOLS,
                                  MAX_TOP_LOGPROBS, ChatCompletionRequest, ChatMessageIn, FunctionIn, ImagePart,
-                                 ImageURL, RequestModel, TextPart, ToolIn, _at_most, field_name)
+                                 ImageURL, RequestModel, TextPart, ToolIn, CacheSalt, _at_most, field_name)
 
 MAX_INCLUDE = 16
 MAX_METADATA = 16  # OpenAI's: 16 pairs, keys of 64 characters, values of 512
@@ -346,6 +346,7 @@ class ResponsesRequest(RequestModel):
     service_tier: Literal["auto", "default", "flex", "priority", "scale"] | None = None
     safety_identifier: ShortText | None = None
     prompt_cache_key: ShortText | None = None
+    cache_salt: CacheSalt | None = None
     previous_response_id: Any = None
     conversation: Any = None
     prompt: Any = None

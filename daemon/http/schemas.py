@@ -20,7 +20,7 @@ from functools import cache
 from typing import Annotated, Any, Callable, Literal
 
 import msgspec
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationInfo, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr, ValidationInfo, field_validator, model_validator
 
 from daemon import protocol as p
 from daemon.http.images import ImageHeaderError, read_header
@@ -48,6 +48,12 @@ TEMPLATE_VARIABLES = frozenset({"messages", "tools", "add_generation_prompt", "b
 StopString = Annotated[str, Field(max_length=MAX_STOP_CHARS)]
 Stop = StopString | Annotated[list[StopString], Field(max_length=MAX_STOPS)] | None
 TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
+MAX_CACHE_SALT_CHARS = 1024
+# vLLM's cache_salt: the prompt cache shares entries only between requests with the same salt (and the same
+# named key). A non-empty string, as vLLM takes it; every dialect whose body has it validates it with this.
+CacheSalt = Annotated[StrictStr, Field(min_length=1, max_length=MAX_CACHE_SALT_CHARS,
+                                       description="prompt-cache isolation: only requests with the same salt (and "
+                                                   "the same key) share cached prompts (vLLM's field)")]
 
 
 def _at_most(value: Any, limit: int, what: str) -> Any:
@@ -204,6 +210,7 @@ class SamplingFields(RequestModel):
                           '{"name", "schema", "strict"}}: enforced by a grammar on the sampler')
     json_schema: dict[str, Any] | None = Field(None, description="llama-server's: the output matches this JSON schema")
     grammar: str | None = Field(None, description="llama-server's: a GBNF grammar (root rule `root`) the output matches")
+    cache_salt: CacheSalt | None = None
 
     @field_validator("stop", mode="before")
     @classmethod

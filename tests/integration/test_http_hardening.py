@@ -75,21 +75,21 @@ async def test_json_with_parameters_is_accepted_and_no_content_type_is_not():
                                          data=json.dumps({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}))
             assert response.status == 200, (content_type, await response.text())
         body = json.dumps(COMPLETION).encode()
-        status, answer = await raw_http(client, b"POST /v1/completions HTTP/1.1\nHost: x\nContent-Length: %d\n" % len(body), body)
+        status, answer = await raw_http(client, b"POST /v1/completions HTTP/1.1\nHost: localhost\nContent-Length: %d\n" % len(body), body)
         assert status == 415 and b"no Content-Type" in answer
 
 
 async def test_sleep_and_wake_take_no_body_without_content_type_but_refuse_other_types():
     async with daemon() as (controller, client):
         # curl -XPOST localhost:8080/sleep: no body, no Content-Type.
-        status, _ = await raw_http(client, b"POST /sleep HTTP/1.1\nHost: x\n")
+        status, _ = await raw_http(client, b"POST /sleep HTTP/1.1\nHost: localhost\n")
         assert status == 200 and controller.state is ServerState.SLEEPING
-        status, _ = await raw_http(client, b"POST /wake HTTP/1.1\nHost: x\nContent-Length: 0\n")
+        status, _ = await raw_http(client, b"POST /wake HTTP/1.1\nHost: localhost\nContent-Length: 0\n")
         assert status == 200 and controller.state is ServerState.READY
         for content_type in ("text/plain", "application/x-www-form-urlencoded", "multipart/form-data; boundary=x"):
             response = await client.post("/sleep", headers={"Content-Type": content_type})
             assert (await error_of(response, 415))["code"] == "unsupported_media_type"
-        status, _ = await raw_http(client, b"POST /sleep HTTP/1.1\nHost: x\nContent-Length: 2\n", b"{}")  # a body, no type
+        status, _ = await raw_http(client, b"POST /sleep HTTP/1.1\nHost: localhost\nContent-Length: 2\n", b"{}")  # a body, no type
         assert status == 415
         assert controller.state is ServerState.READY
         assert (await client.post("/sleep", json={})).status == 200
@@ -109,7 +109,7 @@ async def test_cross_origin_post_is_403(origin):
 
 
 async def test_same_origin_post_and_cross_origin_get_pass():
-    async with daemon() as (controller, client):
+    async with daemon(allowed_hosts=["dormouse.lan"]) as (controller, client):
         port = client.server.port
         for origin, host in ((f"http://127.0.0.1:{port}", None), ("http://localhost:8080", "localhost:8080"),
                              ("https://dormouse.lan", "dormouse.lan"), ("http://[::1]:8080", "[::1]:8080"),
@@ -123,17 +123,20 @@ async def test_same_origin_post_and_cross_origin_get_pass():
 async def test_allowed_hosts_refuses_other_host_names():
     """DNS rebinding: a page on evil.example resolving to 127.0.0.1 sends Host: evil.example."""
     async with daemon(allowed_hosts=["localhost", "[::1]", "Dormouse.LAN"]) as (controller, client):
-        for host in ("localhost", "localhost:8080", "LOCALHOST.:8080", "[::1]:8080", "[0:0::1]", "dormouse.lan"):
+        for host in ("localhost", "localhost:8080", "LOCALHOST.:8080", "[::1]:8080", "[0:0::1]", "dormouse.lan",
+                     "127.0.0.1"):  # a loopback address is always served (it cannot be rebound)
             assert (await client.get("/health", headers={"Host": host})).status == 200, host
         assert (await client.post("/v1/completions", json=COMPLETION, headers={"Host": "localhost:1"})).status == 200
-        for host in ("evil.example", "127.0.0.1", "localhost:http", "[::1", "localhost.evil.example", "[::2]:8080"):
+        for host in ("evil.example", "localhost:http", "[::1", "localhost.evil.example", "[::2]:8080"):
             response = await client.get("/health", headers={"Host": host})
             assert (await error_of(response, 403))["code"] == "host_not_allowed", host
         response = await client.post("/v1/completions", json=COMPLETION, headers={"Host": "evil.example"})
         assert response.status == 403
         status, _ = await raw_http(client, b"GET /health HTTP/1.0\n")  # no Host at all
         assert status == 403
-    async with daemon() as (controller, client):  # default: no check
+    async with daemon() as (controller, client):  # default: on (tests/integration/test_host_check.py)
+        assert (await client.get("/health", headers={"Host": "evil.example"})).status == 403
+    async with daemon(allowed_hosts=["*"]) as (controller, client):  # "*": any host
         assert (await client.get("/health", headers={"Host": "evil.example"})).status == 200
 
 
@@ -169,7 +172,7 @@ async def test_non_ascii_authorization_is_401(header):
     async with daemon(api_key="k1", metrics_key="m1") as (controller, client):
         for path in (b"/v1/models", b"/metrics", b"/sleep"):
             method = b"POST" if path == b"/sleep" else b"GET"
-            status, body = await raw_http(client, method + b" " + path + b" HTTP/1.1\nHost: x\n" + header + b"\n")
+            status, body = await raw_http(client, method + b" " + path + b" HTTP/1.1\nHost: localhost\n" + header + b"\n")
             assert status == 401, body
             assert json.loads(body)["error"]["code"] == "invalid_api_key"
 
