@@ -398,6 +398,10 @@ class ServerMachine:
 
     def _wake_requested(self, event: WakeRequested) -> list[Command]:
         t = event.ticket
+        if self.state not in (S.READY, S.LOADING, S.WAKING, S.ROUSING):
+            # A wake that was asked for outlives the keep_alive that put the model to sleep: a
+            # request's keep_alive 0 (Ollama's unload) would otherwise send it back at once.
+            self.keep_alive = None
         if self.state is S.SLEEPING:
             return self._start_worker(S.WAKING, "admin") + [Reply(t, True, "waking")]
         if self.state is S.LIGHT_SLEEP:

@@ -72,9 +72,12 @@ def _admin(required_model: bool) -> dict[str, Any]:
 
 
 def _health() -> dict[str, Any]:
-    return {"get": {"responses": {"200": {"description": "ok", "content": {_JSON: {"schema": {}}}},
-                                  "503": {"description": "loading or failed", "content": {_JSON: {"schema": {}}}},
-                                  **_error_responses(401, 403)}}}
+    # Ready while any model can serve; ?model=ID answers for that model alone (a per-model probe).
+    return {"get": {"parameters": [_MODEL_QUERY],
+                    "responses": {"200": {"description": "ok", "content": {_JSON: {"schema": {}}}},
+                                  "503": {"description": "no model can serve (with ?model=: that model cannot)",
+                                          "content": {_JSON: {"schema": {}}}},
+                                  **_error_responses(401, 403, 404)}}}
 
 
 def _slot_action() -> dict[str, Any]:

@@ -200,8 +200,9 @@ def test_probes_use_health(settings):
     # The first load gets minutes, not the readiness probe's seconds.
     startup = c["startupProbe"]["periodSeconds"] * c["startupProbe"]["failureThreshold"]
     assert startup >= 300
-    # Probes send the pod IP as Host and cannot send a key from a Secret.
-    assert settings.allowed_hosts == [] and settings.metrics_key is None
+    # Probes send the pod IP as Host (served on 0.0.0.0 whatever allowed_hosts lists) and cannot
+    # send a key from a Secret; the gateway's Host (scale-from-zero) is listed.
+    assert "dormouse-gateway" in settings.allowed_hosts and settings.metrics_key is None
     assert "livenessProbe" not in c  # a 503 from /health (failed, stopping) must not restart the pod
 
 

@@ -368,6 +368,20 @@ def test_the_latest_accepted_request_decides_and_a_rejected_one_does_not():
     assert [t.seconds for t in timers] == [300]
 
 
+def test_a_wake_asked_for_after_a_keep_alive_0_unload_stays_awake():
+    # Ollama's keep_alive 0 put the model to sleep; POST /wake (or /models/load) must not
+    # send it straight back to sleep with that request's keep_alive.
+    m = _ready_machine(300)
+    timers = [c for c in _finish(m, "r1", 0) if isinstance(c, ArmIdleTimer)]
+    assert [t.seconds for t in timers] == [0]
+    m.handle(IdleTimerFired(m.idle_generation))
+    m.handle(SleepCompleted())
+    assert m.state is S.SLEEPING
+    assert isinstance(m.handle(WakeRequested(1))[0], StartWorker)
+    timers = [c for c in m.handle(WorkerReady(2, {})) if isinstance(c, ArmIdleTimer)]
+    assert [t.seconds for t in timers] == [300]
+
+
 @pytest.mark.parametrize("permanent", [False, True])
 def test_a_permanent_load_failure_arms_no_retry(permanent):
     m = ServerMachine(Policy(retry_max_seconds=60))
