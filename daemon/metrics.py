@@ -201,7 +201,9 @@ class MetricFamilies:
                                               "Entries dropped to stay within the tier's budget", M + ["tier"], registry=r)
         self.idle_timeout_seconds = Gauge("dormouse_idle_timeout_seconds", "Configured idle sleep timeout (-1: never)", M, registry=r)
         # The sleep tiers (daemon/model/controller.py): which one, what a wake from it should take, how it went.
-        self.sleep_tier = Gauge("dormouse_sleep_tier", "1 for the sleep tier the model is in (awake: none)",
+        self.sleep_tier = Gauge("dormouse_sleep_tier", "1 for the sleep tier the model is in (awake while ready; "
+                                "going down: the tier it goes to; waking: the one it wakes from; starting, a first "
+                                "load, failed, stopping: none)",
                                 M + ["tier"], registry=r)
         self.wake_predicted_seconds = Gauge("dormouse_wake_predicted_seconds",
                                             "Predicted duration of a wake from the current tier (0 while awake)", M, registry=r)
@@ -300,8 +302,9 @@ class Metrics:
             self.state.labels(state=s.value).set(1 if s is state else 0)
 
     def set_tier(self, tier: str | None) -> None:
+        """tier: awake, drowsy, light or deep; None: none of them (neither awake nor asleep)."""
         for name in ("awake", "drowsy", "light", "deep"):
-            self.sleep_tier.labels(tier=name).set(1 if name == (tier or "awake") else 0)
+            self.sleep_tier.labels(tier=name).set(1 if name == tier else 0)
 
     def set_slots(self, states: list[str]) -> None:
         for slot_state in SlotState:

@@ -53,11 +53,20 @@ if TYPE_CHECKING:
 
 KINDS = ("llamacpp", "vllm", "otel")
 
-# Dormouse's state -> vLLM's sleep_state that is 1. vLLM's level 1 keeps the weights in
-# host memory, level 2 discards everything; a sleeping Dormouse model holds nothing (its
-# worker has exited), and on the way to or from sleep it serves nothing. Not listed
-# (starting, loading, failed, stopping): neither awake nor asleep, every sleep_state 0.
-SLEEP_STATES = {"ready": "awake", "unloading": "discard_all", "sleeping": "discard_all", "waking": "discard_all"}
+# vLLM's sleep_state (vllm:engine_sleep_state): awake; weights_offloaded (sleep level 1: the KV
+# cache is discarded, the weights kept in host memory, a wake does not read them from disk);
+# discard_all (level 2: weights and KV cache forgotten). Dormouse's tiers, by the same test:
+# drowsy frees the contexts and keeps the weights (level 1); light lets the worker go but the
+# daemon's keeper holds the GGUF's pages in host memory, so a wake reads no disk (level 1);
+# deep holds nothing (level 2). A model on its way down is counted in the tier it goes to, one
+# waking in the tier it wakes from (dormouse_sleep_tier says which). Not listed (starting, a
+# first load, failed, stopping): neither awake nor asleep, every sleep_state 0.
+TIER_SLEEP_STATES = {"awake": "awake", "drowsy": "weights_offloaded", "light": "weights_offloaded",
+                     "deep": "discard_all"}
+# From the state alone (where no tier is exported): the resting states and the ways between.
+SLEEP_STATES = {"ready": "awake", "dozing": "weights_offloaded", "drowsy": "weights_offloaded",
+                "rousing": "weights_offloaded", "light_sleep": "weights_offloaded", "unloading": "discard_all",
+                "sleeping": "discard_all", "waking": "discard_all"}
 VLLM_SLEEP_STATES = ("awake", "weights_offloaded", "discard_all")
 VLLM_FINISH_REASONS = ("stop", "length", "abort", "error")
 
@@ -88,6 +97,7 @@ class Model:
     """What one model's Dormouse families say right now."""
 
     state: str = ""
+    tier: str | None = None  # dormouse_sleep_tier's 1 (None: no tier is 1, or none exported)
     slots: int = 0
     busy: int = 0
     in_flight: float = 0.0
@@ -105,6 +115,13 @@ class Model:
     def deferred(self) -> float:
         """Waiting for a worker, and handed to it beyond its slots."""
         return self.waiting + max(self.in_flight - self.busy, 0.0)
+
+    @property
+    def sleep_state(self) -> str | None:
+        """vLLM's sleep_state that is 1 (None: none is)."""
+        if self.state not in SLEEP_STATES:
+            return None
+        return TIER_SLEEP_STATES[self.tier] if self.tier in TIER_SLEEP_STATES else SLEEP_STATES[self.state]
 
     @property
     def slot_usage(self) -> float:
@@ -135,6 +152,9 @@ def read(families: MetricFamilies) -> dict[str, Model]:
             model = models.setdefault(labels["model"], Model())
             if value == 1:
                 model.state = labels["state"]
+    for model, labels, value in each(families.sleep_tier):
+        if value == 1:
+            model.tier = labels["tier"]
     for model, labels, value in each(families.slots):
         model.slots += int(value)
         if labels["state"] != "idle":
@@ -264,13 +284,14 @@ def vllm(models: dict[str, Model]) -> list[Any]:
         return family
 
     sleep = GaugeMetricFamily("vllm:engine_sleep_state", "1 for the sleep_state the model is in: awake (ready), "
-                              "discard_all (asleep, or going to or from sleep: no worker serves it)",
+                              "weights_offloaded (level 1: drowsy or light, the weights kept in memory), "
+                              "discard_all (level 2: deep, nothing kept); on the way down or up, its tier's",
                               labels=names + ["sleep_state"])
     success = CounterMetricFamily("vllm:request_success", "Generations finished, by finished_reason",
                                   labels=names + ["finished_reason"])
     for model_id, m in models.items():
         for state in VLLM_SLEEP_STATES:
-            sleep.add_metric([model_id, "0", state], 1.0 if SLEEP_STATES.get(m.state) == state else 0.0)
+            sleep.add_metric([model_id, "0", state], 1.0 if m.sleep_state == state else 0.0)
         for reason in VLLM_FINISH_REASONS:
             success.add_metric([model_id, "0", reason], m.finished.get(reason, 0.0))
     return [

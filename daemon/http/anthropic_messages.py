@@ -35,7 +35,7 @@ from daemon.http.openai_routes import chat_inputs, chat_job, generation_model, p
 # responses.py's tagged unions: a block of an unknown type is refused by what it is.
 from daemon.http.responses import _Refused, _tagged, _union
 from daemon.http.schemas import (INT32_MAX, MAX_CONTENT_PARTS, MAX_MESSAGES, MAX_STOP_CHARS, MAX_STOPS, MAX_TOOL_CALLS,
-                                 MAX_TOOLS, ChatCompletionRequest, ChatMessageIn, ImagePart, ImageURL,
+                                 MAX_TOOLS, CacheSalt, ChatCompletionRequest, ChatMessageIn, ImagePart, ImageURL,
                                  RequestModel, TextPart, _at_most, _json_within, field_name)
 
 MAX_JSON_DEPTH = 64  # a tool_use's input and a tool's input_schema
@@ -303,6 +303,9 @@ NOT_RUN = {"mcp_servers": "MCP servers are not connected from here: run them in 
                             "{type: 'tool', name}"}
 
 
+SYSTEM_BLOCK_SEPARATOR = "\n"
+
+
 class CountTokensRequest(RequestModel):
     """What /v1/messages/count_tokens reads; /v1/messages adds generation's fields."""
 
@@ -346,7 +349,11 @@ class CountTokensRequest(RequestModel):
     def chat_messages(self) -> list[ChatMessageIn]:
         out = []
         if self.system is not None:
-            text = self.system if isinstance(self.system, str) else "".join(b.text for b in self.system)
+            # Blocks are separate paragraphs of one system prompt: joined with a newline, as llama.cpp's
+            # chat layer joins an OpenAI system message's text parts ("You are a pirate." + "Answer in
+            # French." must not read "You are a pirate.Answer in French.").
+            text = self.system if isinstance(self.system, str) else \
+                SYSTEM_BLOCK_SEPARATOR.join(b.text for b in self.system if b.text)
             if text:
                 out.append(ChatMessageIn(role="system", content=text))
         names: dict[str, str] = {}  # tool_use id -> its tool's name, for the tool turns that answer it
@@ -464,6 +471,7 @@ def _content(parts: list) -> str | list:
 
 class MessagesRequest(CountTokensRequest):
     max_tokens: int = Field(ge=1, le=1_000_000, strict=True, description="required, as Anthropic's")
+    cache_salt: CacheSalt | None = None  # vLLM's field: the prompt-cache scope within the key's (openai_routes.parse_body)
     stop_sequences: Annotated[list[Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]],
                               Field(max_length=MAX_STOPS)] | None = None
     stream: StrictBool = False

@@ -1,9 +1,16 @@
 """What a response says about the wake it waited for, and how long a client may wait.
 
 - `X-Dormouse-Max-Wait: <seconds>` (request): the longest this client will
-  wait for a wake, bounded by wake_timeout. A request whose predicted wake
-  (plus its queue wait) is longer is refused at once with 503 and
-  Retry-After (daemon/model/sleep_tiers.py), instead of after the wait.
+  wait for its first token when the model is not awake: the predicted wake
+  (bounded by wake_timeout too) plus the wait for a free slot behind the
+  requests already accepted. A request predicted to wait longer is refused
+  at once with 503 `wake_too_slow` and Retry-After
+  (daemon/model/sleep_tiers.py too_slow), instead of after the wait; the
+  wake starts anyway. Without the header only the predicted wake (measured
+  on this host) is held against wake_timeout, which bounds the wait for a
+  wake alone: a queue never refuses such a request early. Once accepted, the
+  wait for the worker to take the request is bounded by the smaller of the
+  header and wake_timeout (Job.next).
   `max_wait_header` reads it for every handler (a middleware) into a
   context variable that the controller's new_job/new_query read, so every
   dialect gets it without spelling it.

@@ -7,12 +7,17 @@ the bytes. A changed file or setting makes a new key, never a stale hit.
 
 One small JSON file, written atomically (temporary file, fsync, rename,
 fsync of the directory) and bounded (the least recently put entries go
-first). A file that does not read or does not have the expected shape is
-logged and ignored, then replaced by the next put: a measurement is an
-optimisation, never a reason to fail (nor to hang: a FIFO or a device
-planted as the file is not read). A value of the right shape is still only
-a claim: the server lets it stand only near the prediction
-(daemon/model/footprint.py's plausible()).
+first). A file that does not read or does not have the expected shape (no
+NaN or Infinity, sizes non-negative integers up to MAX_COMPONENT_BYTES, at
+most MAX_COMPONENTS per entry, keys no longer than MAX_KEY_CHARS) is set
+aside (renamed to footprints.json.bad, a log line naming it and why) and the
+next put starts a new one: a measurement is an optimisation, never a reason
+to fail (nor to hang: a FIFO or a device planted as the file is not read).
+A value of the right shape is still only a claim: the server lets it stand
+only near the prediction (daemon/model/footprint.py's plausible()).
+
+`read_regular`, `decode_json` and `set_aside` are the state directory's
+reading rules, shared with daemon/model/wake_prediction.py.
 """
 
 from __future__ import annotations
@@ -30,6 +35,10 @@ FILE_NAME = "footprints.json"
 FORMAT_VERSION = 1
 MAX_ENTRIES = 256
 MAX_FILE_BYTES = 4 * 1024 * 1024  # 256 entries take about 100 KB
+MAX_COMPONENTS = 16  # the worker reports model, context, draft_model, draft_context, mmproj, ...
+MAX_COMPONENT_NAME = 64
+MAX_COMPONENT_BYTES = 1 << 50  # 1 PiB: no device holds more
+MAX_KEY_CHARS = 128  # footprint_key is 64 hex digits
 
 
 def _file_identity(path: str | Path | None) -> str | None:
@@ -57,8 +66,9 @@ def footprint_key(model_path: str | Path, ctx_size: int, parallel: int, cache_ty
 
 
 def _valid_components(value: Any) -> bool:
-    return isinstance(value, dict) and all(
-        isinstance(name, str) and isinstance(size, int) and not isinstance(size, bool) and size >= 0
+    return isinstance(value, dict) and len(value) <= MAX_COMPONENTS and all(
+        isinstance(name, str) and 0 < len(name) <= MAX_COMPONENT_NAME
+        and isinstance(size, int) and not isinstance(size, bool) and 0 <= size <= MAX_COMPONENT_BYTES
         for name, size in value.items())
 
 
@@ -102,20 +112,20 @@ class FootprintStore:
 
     def _read(self) -> dict[str, dict[str, int]]:
         try:
-            raw = _read_regular(self.path, MAX_FILE_BYTES + 1)
+            raw = read_regular(self.path, MAX_FILE_BYTES + 1)
             if len(raw) > MAX_FILE_BYTES:
                 raise ValueError(f"larger than {MAX_FILE_BYTES} bytes")
-            data = json.loads(raw)
+            data = decode_json(raw)
         except FileNotFoundError:
             return {}
-        # ValueError: bad JSON or UTF-8; RecursionError: absurdly nested JSON
-        except (OSError, ValueError, RecursionError) as exc:
-            self._warn("footprint_store.unreadable", error=str(exc) or type(exc).__name__)
+        except (OSError, ValueError) as exc:  # ValueError: not a regular file, bad JSON or UTF-8, NaN, nesting
+            set_aside(self.path, str(exc) or type(exc).__name__, self.log, "footprint_store.unreadable")
             return {}
         entries = data.get("entries") if isinstance(data, dict) and data.get("version") == FORMAT_VERSION else None
-        if not isinstance(entries, dict) or not all(isinstance(k, str) and _valid_components(v)
-                                                    for k, v in entries.items()):
-            self._warn("footprint_store.wrong_shape", error=f"expected version {FORMAT_VERSION} with entries")
+        if not isinstance(entries, dict) or not all(isinstance(k, str) and 0 < len(k) <= MAX_KEY_CHARS
+                                                    and _valid_components(v) for k, v in entries.items()):
+            set_aside(self.path, f"expected version {FORMAT_VERSION} with entries of at most {MAX_COMPONENTS} "
+                                 f"sizes of 0 to {MAX_COMPONENT_BYTES} bytes", self.log, "footprint_store.wrong_shape")
             return {}
         return dict(list(entries.items())[-self.max_entries:])
 
@@ -146,7 +156,7 @@ class FootprintStore:
                     pass
 
 
-def _read_regular(path: Path, limit: int) -> bytes:
+def read_regular(path: Path, limit: int) -> bytes:
     """Up to `limit` bytes of a regular file. O_NONBLOCK: opening a FIFO must not
     wait for a writer (the daemon reads this before it serves anything)."""
     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
@@ -154,3 +164,37 @@ def _read_regular(path: Path, limit: int) -> bytes:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             raise ValueError("not a regular file")
         return f.read(limit)
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a number")
+
+
+def decode_json(raw: bytes) -> Any:
+    """JSON as the daemon wrote it: NaN, Infinity and -Infinity (which Python's json reads by
+    default) and absurd nesting are ValueErrors, as bad JSON or UTF-8 is."""
+    try:
+        return json.loads(raw, parse_constant=_no_constant)
+    except RecursionError:
+        raise ValueError("nested too deep") from None
+
+
+def set_aside(path: Path, why: str, log: Any, event: str) -> Path | None:
+    """A state file that failed its checks: renamed to NAME.bad (an operator may look at it;
+    the daemon writes a new one), else deleted; either way a warning (`event`) names it and
+    why. A directory in its place is left alone (the next write fails and says so). The
+    renamed path, or None when nothing was moved."""
+    bad = path.with_name(path.name + ".bad")
+    kept: Path | None = None
+    if path.is_symlink() or not path.is_dir():
+        try:
+            os.replace(path, bad)  # whatever it is (a FIFO too): the next write puts a regular file there
+            kept = bad
+        except OSError:
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+    if log is not None:
+        log.warning(event, path=str(path), error=why[:200], moved_to=str(kept) if kept else None)
+    return kept

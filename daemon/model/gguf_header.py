@@ -12,7 +12,12 @@ Long arrays (the 262k-token vocabulary, its scores and merges) and long
 strings are walked past, not decoded: an array of numbers is one seek, an
 array of strings one length read per string; only the element type and the
 length are kept (the footprint needs no more: the vocabulary's size is its
-length).
+length). A string's length says where the next one starts, so a string
+array cannot be seeked past in one step: the strings and nested arrays
+walked one by one are bounded in all (MAX_WALKED_ELEMENTS, far above any
+real vocabulary and its merges), and an array that would pass the bound is
+refused from its length alone, before any of it is walked: 40 MB of empty
+strings (5 million) cost one read, not seconds.
 """
 
 from __future__ import annotations
@@ -45,6 +50,11 @@ MAX_KEY_BYTES = 65535  # the GGUF spec's limit for a key
 MAX_STRING_BYTES = 16 * 1024 * 1024  # longer is refused; a chat template is tens of KB
 MAX_TENSOR_NAME_BYTES = 63  # GGML_MAX_NAME is 64 including the NUL
 MAX_DIMS = 4  # GGML_MAX_DIMS
+# Strings walked past one at a time, in all (a real model: a vocabulary of at most 262k
+# tokens and as many merges, under 600k; 2M take about a second on a busy core), and
+# nested arrays (no model llama.cpp loads has an array of arrays; each costs a few us).
+MAX_WALKED_ELEMENTS = 1 << 21
+MAX_WALKED_ARRAYS = 1 << 16
 _READ_BLOCK = 1 << 20
 _POINTER_BYTES = 8
 
@@ -273,6 +283,8 @@ class _Parser:
     def __init__(self, cur: _Cursor) -> None:
         self.cur = cur
         self.budget = _Budget()
+        self.walked = 0  # strings walked past one by one (at most MAX_WALKED_ELEMENTS)
+        self.walked_arrays = 0  # nested arrays walked past one by one (at most MAX_WALKED_ARRAYS)
 
     def header(self) -> GgufHeader:
         cur = self.cur
@@ -375,7 +387,20 @@ class _Parser:
     def _skip_elements(self, element_type: int, length: int, depth: int) -> None:
         if element_type in _SCALARS:
             self.cur.skip(length * _SCALARS[element_type].size)
-        elif element_type == STRING:
+            return
+        # Refused from the length, before any of it is walked.
+        if element_type == STRING:
+            if self.walked + length > MAX_WALKED_ELEMENTS:
+                raise self.cur.error(f"an array of {length} strings (before offset {self.cur.pos}) takes the "
+                                     f"header's strings past {MAX_WALKED_ELEMENTS}; a real model's hold under "
+                                     f"1,000,000")
+            self.walked += length
+        else:
+            if self.walked_arrays + length > MAX_WALKED_ARRAYS:
+                raise self.cur.error(f"an array of {length} arrays (before offset {self.cur.pos}) takes the "
+                                     f"header's nested arrays past {MAX_WALKED_ARRAYS}; a real model has none")
+            self.walked_arrays += length
+        if element_type == STRING:
             self.cur.skip_strings(length)
         else:
             for _ in range(length):

@@ -12,6 +12,18 @@ machine's tier commands and answers three questions about a wake:
 - How long would a wake take now (`predict_wake`: bytes, tier, how much of
   the files is in the page cache, this host's past wakes), and may this
   request wait that long (`too_slow`: else 503 at once, with Retry-After)?
+
+Two bounds, two waits (`too_slow`):
+- `wake_timeout` bounds the wait for a wake: from acceptance until a worker
+  takes the request (daemon/model/jobs.py Job.next). Every request waiting
+  for a wake is handed to the worker when it is ready, however many there
+  are, so the wait behind other requests for a slot is no part of it: the
+  predicted wake (plus, in a fleet, the other loads this one waits for) is
+  what is compared with wake_timeout.
+- `X-Dormouse-Max-Wait` is the client's own bound on its time to first
+  token: the predicted wake plus the wait for a free slot behind the
+  requests already accepted. It refuses a request early; without it, a
+  queue never does.
 """
 
 from __future__ import annotations
@@ -20,7 +32,7 @@ import asyncio
 import dataclasses
 import math
 import time
-from typing import Any
+from typing import Any, Callable
 
 from daemon.model.jobs import JobFailure
 from daemon.model.keeper import Keeper, resident_bytes
@@ -43,6 +55,10 @@ class SleepTiers:
         self._residency: tuple[float, int, int] | None = None  # (when, bytes, cold bytes) of the model's files
         self.wake_prediction: Prediction | None = None  # what the wake under way (or the last) was predicted to take
         self._wake_started: float | None = None
+        self._wake_mark: tuple[Any, float] | None = None  # (state, state_since) when the wake under way began
+        # Set by the fleet (daemon/fleet/owner.py): seconds a load of this model would wait for the
+        # fleet's other loads (one at a time), predicted from this host's wakes. None: no fleet wait.
+        self.fleet_wait: Callable[[], float] | None = None
         self.last_doze: dict[str, Any] | None = None
         self.service_seconds = 0.0  # running mean of a request's prompt + generation seconds (the queue's pace)
 
@@ -76,14 +92,23 @@ class SleepTiers:
         state = self.state
         if state is S.READY:
             return None
-        if state in (S.WAKING, S.LOADING, S.ROUSING) and self.wake_prediction and self._wake_started is not None:
+        if state in (S.WAKING, S.LOADING, S.ROUSING) and self._wake_under_way():
             left = max(0.0, self.wake_prediction.seconds - (time.monotonic() - self._wake_started))
             return dataclasses.replace(self.wake_prediction, seconds=left)
-        tier = self.machine.tier or "deep"
+        if state in (S.WAKING, S.LOADING):  # not begun yet (the fleet's admission): the whole wake is ahead
+            tier = "light" if self.machine.keeper_held else "deep"
+        else:
+            tier = self.machine.tier or "deep"
         if tier == "drowsy":
             return self._predict_rouse()
         nbytes, cold = self._files_in_cache()
         return self.wake_history.predict(self.model_id, tier, nbytes, cold)
+
+    def _wake_under_way(self) -> bool:
+        """The wake of this very state began (_begin_wake_prediction), not an earlier one (a wake
+        that failed, or one still waiting for the fleet's admission: its prediction is stale)."""
+        return (self.wake_prediction is not None and self._wake_started is not None
+                and self._wake_mark == (self.state, getattr(self, "state_since", None)))
 
     def _predict_rouse(self) -> Prediction:
         """A drowsy wake creates the contexts again: before this model's first one, the contexts'
@@ -95,39 +120,73 @@ class SleepTiers:
         return self.wake_history.predict(self.model_id, "drowsy", 0, 0, contexts_seconds=contexts)
 
     def queue_wait(self) -> float:
-        """Seconds a new request would wait for a slot behind those already accepted."""
-        ahead = len(self.machine.in_flight) + len(self.machine.waiting)
+        """Seconds a new request would wait for a slot behind those already accepted (counted
+        from the jobs, so a burst whose arrivals the owner task has not read yet counts whole)."""
+        ahead = max(len(self.jobs), len(self.machine.in_flight) + len(self.machine.waiting))
         parallel = max(self.settings.parallel, 1)
         if ahead < parallel:
             return 0.0
         return ((ahead - parallel) // parallel + 1) * self.service_seconds
 
+    def _fleet_seconds(self) -> float:
+        if self.fleet_wait is None:
+            return 0.0
+        try:
+            seconds = float(self.fleet_wait())
+        except Exception as exc:  # noqa: BLE001 - a prediction never fails a request
+            self.log.warning("wake_prediction.fleet_wait_failed", error=repr(exc))
+            return 0.0
+        return seconds if math.isfinite(seconds) and seconds > 0 else 0.0
+
     def too_slow(self, max_wait: float | None) -> JobFailure | None:
-        """503 at once when the wake this request needs cannot fit what it may wait.
-        Without the client's own bound, only a prediction from this host's wakes
-        refuses: a default guess never turns a request away."""
+        """503 at once when this request cannot be served within what it may wait.
+
+        - The wake (predicted, plus the fleet's other loads ahead of it) against wake_timeout,
+          which bounds only the wait for a worker to take the request: every request waiting
+          for a wake is handed over at once when it is ready, so the queue behind them is no
+          part of it. Without the client's own bound, only a prediction from this host's
+          wakes refuses: a default guess never turns a request away.
+        - With X-Dormouse-Max-Wait (the client's time to first token): the wake against it
+          too, and the wake plus the wait for a slot behind the requests already accepted."""
         if self.state in (S.READY, S.FAILED, S.STOPPING) or self.closed:
             return None
-        prediction = self.predict_wake()
-        if prediction is None or (max_wait is None and prediction.basis != "measured"):
+        try:
+            prediction = self.predict_wake()
+        except Exception as exc:  # noqa: BLE001 - a prediction is an optimisation: never a 500, never no wake
+            self.log.exception("wake_prediction.failed", error=repr(exc))
             return None
-        limit = self.settings.wake_timeout if max_wait is None else min(max_wait, self.settings.wake_timeout)
-        queue = self.queue_wait()
-        wait = prediction.seconds + queue
-        if wait <= limit:
+        if prediction is None or not math.isfinite(prediction.seconds) \
+                or (max_wait is None and prediction.basis != "measured"):
             return None
+        timeout = self.settings.wake_timeout
+        fleet = self._fleet_seconds()
+        wake = prediction.seconds + fleet
+        behind = f" plus {fleet:.1f}s for the fleet's other loads" if fleet else ""
+        what = (f"its wake is predicted to take {prediction.seconds:.1f}s{behind} "
+                f"({prediction.basis})")
+        limit = timeout if max_wait is None else min(max_wait, timeout)
+        if wake > limit:
+            bound = "X-Dormouse-Max-Wait" if max_wait is not None and max_wait < timeout else "wake_timeout"
+            wait = wake
+        else:
+            if max_wait is None:
+                return None
+            queue = self.queue_wait()
+            if wake + queue <= max_wait:
+                return None
+            what = (f"its first token is predicted in {wake + queue:.1f}s: {what}, then {queue:.1f}s for a slot "
+                    f"behind the requests already accepted")
+            limit, bound, wait = max_wait, "X-Dormouse-Max-Wait, time to first token", wake + queue
         self.metrics.wake_refusals.inc()
-        bound = "X-Dormouse-Max-Wait" if max_wait is not None and max_wait < self.settings.wake_timeout else "wake_timeout"
-        queued = f" plus {queue:.1f}s behind the requests already accepted" if queue else ""
         return JobFailure(503, "wake_too_slow",
-                          f"model {self.model_id} is {self.state} ({prediction.tier} tier): its wake is predicted to "
-                          f"take {prediction.seconds:.1f}s{queued} ({prediction.basis}), more than the {limit:g}s this "
-                          f"request may wait ({bound}); the wake has started", max(1.0, math.ceil(wait)))
+                          f"model {self.model_id} is {self.state} ({prediction.tier} tier): {what}, more than the "
+                          f"{limit:g}s this request may wait ({bound}); the wake has started", max(1.0, math.ceil(wait)))
 
     def _begin_wake_prediction(self, tier: str, nbytes: int, cold: int) -> None:
         self.wake_prediction = self._predict_rouse() if tier == "drowsy" else \
             self.wake_history.predict(self.model_id, tier, nbytes, cold)
         self._wake_started = time.monotonic()
+        self._wake_mark = (self.state, getattr(self, "state_since", None))
 
     def _record_wake(self, record: dict[str, Any], tier: str, nbytes: int, cold: int) -> None:
         """The measured wake beside its prediction, and a sample for the next ones."""
@@ -146,8 +205,20 @@ class SleepTiers:
             self.wake_history.record(self.model_id, tier, nbytes, cold, record["seconds"] - extra, weights)
         self._residency = None
 
+    def gauge_tier(self) -> str | None:
+        """The tier dormouse_sleep_tier says: awake only while READY; a resting state's tier (on
+        the way down: the tier it goes to; rousing: drowsy); waking: the tier it wakes from (the
+        keeper still holds a light model's pages); None (every tier 0) while it is neither awake
+        nor asleep (starting, a first load, failed, stopping)."""
+        state = self.state
+        if state is S.READY:
+            return "awake"
+        if state is S.WAKING:
+            return "light" if self.machine.keeper_held else "deep"
+        return self.machine.tier
+
     def tier_gauges(self) -> None:
-        self.metrics.set_tier(self.sleep_tier)
+        self.metrics.set_tier(self.gauge_tier())
         prediction = self.predict_wake()
         self.metrics.wake_predicted_seconds.set(prediction.seconds if prediction else 0.0)
 

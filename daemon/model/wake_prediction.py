@@ -16,15 +16,21 @@ the median of this model's past ones.
 Each wake is a sample (tier, bytes, cold bytes, seconds, weights seconds);
 the rates and fixed costs are medians over the latest samples, so one slow
 wake (a busy disk) moves nothing. Samples are kept in the state directory
-beside the footprints (wake_history.json, written atomically, bounded); a
-file that does not read is ignored and replaced. Until a host has samples
-the defaults below stand, and the prediction says so (`basis`).
+beside the footprints (wake_history.json, written atomically, bounded).
+What is read back is checked whole before any of it is used: a bounded
+regular file, JSON without NaN or Infinity, the expected shape, finite
+numbers in sane ranges (`_why_bad`). A file that fails is set aside
+(renamed to wake_history.json.bad, a log line says which file and why) and
+the history starts empty: a prediction is an optimisation, never a reason to
+fail a request. Until a host has samples the defaults below stand, and the
+prediction says so (`basis`).
 """
 
 from __future__ import annotations
 
 import contextvars
 import json
+import math
 import os
 import statistics
 import tempfile
@@ -34,9 +40,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from daemon.model.footprint_store import decode_json, read_regular, set_aside
+
 FILE_NAME = "wake_history.json"
 MAX_SAMPLES = 256
 MAX_FILE_BYTES = 1024 * 1024
+TIERS = ("drowsy", "light", "deep")
+MAX_MODEL_CHARS = 256
+MAX_SAMPLE_BYTES = 1 << 50  # 1 PiB: no model file is larger
+MAX_SAMPLE_SECONDS = 86400.0  # a wake longer than a day is no measurement
 RECENT = 16  # the medians are over this many latest samples
 WARM_FRACTION = 0.05  # at most this much of the file read from disk: a sample of the cache's rate
 COLD_FRACTION = 0.5  # at least this much: a sample of the disk's rate
@@ -63,39 +75,82 @@ class Prediction:
 
 
 def _median(values: list[float]) -> float | None:
-    values = [v for v in values if v > 0 and v == v]
+    values = [v for v in values if v > 0 and math.isfinite(v)]
     return statistics.median(values) if values else None
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _why_bad(sample: Any) -> str | None:
+    """Why a sample read back cannot be used (None: it can)."""
+    if not isinstance(sample, dict):
+        return f"a sample is a {type(sample).__name__}, not an object"
+    model, tier = sample.get("model"), sample.get("tier")
+    if not isinstance(model, str) or not 0 < len(model) <= MAX_MODEL_CHARS:
+        return "a sample's model is not a name"
+    if tier not in TIERS:
+        return f"a sample's tier is not one of {', '.join(TIERS)}"
+    nbytes, cold, seconds, weights = (sample.get(k) for k in ("bytes", "cold_bytes", "seconds", "weights_seconds"))
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in (nbytes, cold)):
+        return "a sample's bytes or cold_bytes is not an integer"
+    if not 0 <= cold <= nbytes <= MAX_SAMPLE_BYTES:
+        return f"a sample's bytes ({nbytes}) or cold_bytes ({cold}) is out of range"
+    if not _number(seconds) or not _number(weights):
+        return "a sample's seconds or weights_seconds is not a finite number"
+    if not 0 < seconds <= MAX_SAMPLE_SECONDS or not 0 <= weights <= seconds:
+        return f"a sample's seconds ({seconds}) or weights_seconds ({weights}) is out of range"
+    if "at" in sample and not _number(sample["at"]):
+        return "a sample's time is not a finite number"
+    return None
 
 
 class WakeHistory:
     """The samples of one state directory (shared by every model of the daemon: `history_for`)."""
 
-    def __init__(self, directory: Path) -> None:
+    def __init__(self, directory: Path, logger: Any = None) -> None:
         self.path = Path(directory) / FILE_NAME
+        self.log = logger
         self.samples: list[dict[str, Any]] = self._read()
         self._lock = threading.Lock()
 
     def _read(self) -> list[dict[str, Any]]:
+        """Every sample of the file, or none: a file that fails any check is set aside whole."""
         try:
-            if not self.path.is_file() or self.path.stat().st_size > MAX_FILE_BYTES:
-                return []
-            data = json.loads(self.path.read_text())
-        except (OSError, ValueError):
+            raw = read_regular(self.path, MAX_FILE_BYTES + 1)
+        except FileNotFoundError:
             return []
+        except (OSError, ValueError) as exc:
+            return self._set_aside(str(exc) or type(exc).__name__)
+        if len(raw) > MAX_FILE_BYTES:
+            return self._set_aside(f"larger than {MAX_FILE_BYTES} bytes")
+        try:
+            data = decode_json(raw)
+        except ValueError as exc:
+            return self._set_aside(f"not JSON: {exc}")
         samples = data.get("samples") if isinstance(data, dict) else None
         if not isinstance(samples, list):
-            return []
-        keys = {"model": str, "tier": str, "bytes": int, "cold_bytes": int, "seconds": float, "weights_seconds": float}
-        good = []
-        for s in samples[-MAX_SAMPLES:]:
-            if isinstance(s, dict) and all(isinstance(s.get(k), (t, int) if t is float else t) for k, t in keys.items()):
-                good.append(s)
-        return good
+            return self._set_aside("no list of samples")
+        if len(samples) > MAX_SAMPLES:
+            return self._set_aside(f"{len(samples)} samples, more than {MAX_SAMPLES}")
+        for sample in samples:
+            why = _why_bad(sample)
+            if why is not None:
+                return self._set_aside(why)
+        return [{k: sample[k] for k in ("model", "tier", "bytes", "cold_bytes", "seconds", "weights_seconds")}
+                | {"at": float(sample.get("at", 0.0))} for sample in samples]
+
+    def _set_aside(self, why: str) -> list[dict[str, Any]]:
+        set_aside(self.path, why, self.log, "wake_history.set_aside")
+        return []
 
     def record(self, model: str, tier: str, nbytes: int, cold_bytes: int, seconds: float,
                weights_seconds: float) -> None:
         sample = {"model": model, "tier": tier, "bytes": int(nbytes), "cold_bytes": int(cold_bytes),
                   "seconds": float(seconds), "weights_seconds": float(weights_seconds), "at": time.time()}
+        if _why_bad(sample) is not None:  # e.g. a clock step: what could not be read back is not kept
+            return
         with self._lock:
             self.samples = (self.samples + [sample])[-MAX_SAMPLES:]
             self._write()
@@ -177,6 +232,8 @@ class WakeHistory:
                    + cold_bytes / (disk or DEFAULT_DISK_RATE))
         # Measured only where each figure this wake needs came from samples.
         measured = cache is not None and fixed is not None and (cold_bytes == 0 or disk is not None)
+        if not math.isfinite(seconds) or seconds < 0:  # cannot be from checked samples; never a 500 if it were
+            return Prediction(DEFAULT_FIXED_SECONDS, tier, nbytes, cold_bytes, "default")
         return Prediction(seconds, tier, nbytes, cold_bytes, "measured" if measured else "default")
 
 
@@ -193,5 +250,7 @@ def history_for(directory: Path) -> WakeHistory:
     key = Path(directory).resolve()
     with _histories_lock:
         if key not in _histories:
-            _histories[key] = WakeHistory(key)
+            from daemon.logs import get_logger
+
+            _histories[key] = WakeHistory(key, get_logger())
         return _histories[key]

@@ -130,6 +130,11 @@ def agent(replica: str, role: str, model: str) -> str:
             f'agent-send "{role} {model}\\n"')
 
 
+# HAProxy's buffer for a request (tune.bufsize): how much of a body it reads the model from.
+BUFSIZE = 256 * 1024
+MODEL_HEADER = "X-Dormouse-Model"  # the model, for a body too large for HAProxy to read
+
+
 def backend_name(model: str) -> str:
     return f"model.{model}"
 
@@ -179,13 +184,20 @@ HEADER = """\
 #                             Not DORMOUSE_HOST: that is the daemon's own bind address
 #   DORMOUSE_METRICS_KEY      the daemons' metrics_key, when set (/health needs it)
 #   DORMOUSE_HAPROXY_SOCKET   the runtime API socket (default /run/haproxy/dormouse.sock)
+#   DORMOUSE_HAPROXY_BUFSIZE  tune.bufsize, bytes: the largest body whose model is read (default {bufsize})
 #
 # A request goes to the backend of the model it names: the body's "model"
 # (OpenAI's /v1/*, Anthropic's /v1/messages, Ollama's /api/*; Ollama's older
-# "name" under /api/), else the query's ?model= (/props, /slots, /sleep), else
-# the default model. A name that no model has is answered 404 here, and a
-# model that no replica can serve now (failed, down or stopping on every one)
-# 503 at once, without waiting for a server.
+# "name" under /api/), else the X-Dormouse-Model header, else the query's
+# ?model= (/props, /slots, /sleep), else the default model. HAProxy reads a
+# body only as far as its buffer holds it (tune.bufsize, {bufsize_kib} KiB here,
+# DORMOUSE_HAPROXY_BUFSIZE; less about 1 KiB for the headers): the "model" of
+# a larger body (a long conversation, images) is not read, so a client that
+# sends such bodies names the model in X-Dormouse-Model too, or the request
+# goes to the default model's backend (the daemon there still answers it with
+# the model its body names). A name that no model has is answered 404 here,
+# and a model that no replica can serve now (failed, down or stopping on every
+# one) 503 at once, without waiting for a server.
 #
 # In a model's backend every replica that serves it has three lines, and each
 # line's agent check (`dormouse serve --agent-port 8081`) names its tier and
@@ -215,11 +227,17 @@ global
     log stdout format raw local0 info
     stats socket "${DORMOUSE_HAPROXY_SOCKET-/run/haproxy/dormouse.sock}" mode 600 level admin
     # A retried request is replayed from HAProxy's copy, and the model is read
-    # from the same copy: a request larger than tune.bufsize (16 KiB by
-    # default) is never retried after it was sent, and its "model" is not
-    # read (it goes to the default model's backend; the daemon there still
-    # answers it with the model it names). Chat requests with images are
-    # larger; raise tune.bufsize here if they must be routed by model.
+    # from the same copy (json_query on req.body): a request larger than
+    # tune.bufsize is never retried after it was sent, and its "model" is not
+    # read (X-Dormouse-Model is, else it goes to the default model's backend;
+    # the daemon there still answers it with the model it names). HAProxy's
+    # default of 16 KiB is a chat of a few turns; {bufsize_kib} KiB holds a long
+    # conversation's text. Each request HAProxy holds takes up to two buffers
+    # while it is in flight (idle connections hold none): {bufsize_kib} KiB x 2 x
+    # the requests in flight at once (1,000: {memory_mib} MiB). Images in a body
+    # still pass it: name the model in X-Dormouse-Model for those, or raise
+    # DORMOUSE_HAPROXY_BUFSIZE (bytes).
+    tune.bufsize "${{DORMOUSE_HAPROXY_BUFSIZE-{bufsize}}}"
 
 defaults
     mode http
@@ -300,12 +318,20 @@ def render(fleet: Fleet, fleet_file: str = "fleet.toml") -> str:
         f"#   {env_name(r):<25} {r}'s HTTP, host:port (required); its agent_port in {env_name(r)}_AGENT "
         f"(default {AGENT_PORT})" for r in fleet.replicas)
     blocks = [HEADER.format(fleet_file=fleet_file, replicas=", ".join(fleet.replicas), model_lines=model_lines,
+                            bufsize_kib=BUFSIZE // 1024, bufsize=BUFSIZE,
                             default=fleet.default_model, replica_lines=replica_lines),
-              GLOBAL_AND_DEFAULTS, "\n".join(frontend(fleet))]
+              global_and_defaults(), "\n".join(frontend(fleet))]
     for model in fleet.models:
         blocks += model_backends(model)
     # One blank line between sections, none at the end.
     return "\n\n".join(block.strip("\n") for block in blocks) + "\n"
+
+
+def global_and_defaults() -> str:
+    # Only the bufsize lines have fields; every other brace of the section is HAProxy's own.
+    return GLOBAL_AND_DEFAULTS.replace("{bufsize_kib}", str(BUFSIZE // 1024)).replace(
+        "{memory_mib}", str(BUFSIZE * 2 * 1000 // 2**20)).replace(
+        "${{DORMOUSE_HAPROXY_BUFSIZE-{bufsize}}}", "${DORMOUSE_HAPROXY_BUFSIZE-%d}" % BUFSIZE)
 
 
 def frontend(fleet: Fleet) -> list[str]:
@@ -316,6 +342,9 @@ def frontend(fleet: Fleet) -> list[str]:
              "    http-request set-var(txn.model) req.body,json_query('$.model')",
              "    http-request set-var(txn.model) req.body,json_query('$.name') if !{ var(txn.model) -m found } "
              "{ path_beg /api/ }",
+             f"    # A body past tune.bufsize is not read whole: the client's {MODEL_HEADER} says the model.",
+             f"    http-request set-var(txn.model) req.hdr({MODEL_HEADER.lower()}) if !{{ var(txn.model) -m found }} "
+             f"{{ req.hdr({MODEL_HEADER.lower()}) -m found }}",
              "    http-request set-var(txn.model) url_param(model) if !{ var(txn.model) -m found }"]
     for m in fleet.models:
         lines.append(f"    acl {acl_name(m.id)} var(txn.model) -m str {' '.join((m.id, *m.aliases))}")

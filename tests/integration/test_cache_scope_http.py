@@ -71,6 +71,7 @@ async def test_two_keys_and_two_salts_make_four_scopes(scopes):
     ("/completions", {"prompt": "hi", "max_tokens": 2}),
     ("/completion", {"prompt": "hi", "n_predict": 2}),
     ("/v1/responses", {"input": "hi", "max_output_tokens": 2}),
+    ("/v1/messages", {"model": "fake", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}),
 ])
 async def test_every_route_takes_the_salt(scopes, path, body):
     async with daemon(api_keys=KEYS) as (controller, client):

@@ -584,6 +584,58 @@ def test_routing_by_model_with_stand_in_agents(tmp_path):
     assert OTHER not in results["hits"][r2] or results["hits"][r2][OTHER] == 6  # only after it recovered
 
 
+def test_bodies_past_16_kib_are_routed_by_model_with_stand_in_agents(tmp_path):
+    """HAProxy reads a body's "model" only as far as tune.bufsize holds the body: 16 KiB by
+    default, so a longer conversation went to the default model's backend. The file raises
+    it (a 40 KiB body is routed by its model), and a body larger still is routed by the
+    X-Dormouse-Model header (without it: the default model's backend, as documented)."""
+    from daemon.http.agent import ReplicaSnapshot
+
+    free, failed = ReplicaSnapshot("ready", 2), ReplicaSnapshot("failed", 0)
+    r1, r2, r3 = REPLICAS
+    # As in the routing test: the default model awake on r2, OTHER failed there (so r3 takes it).
+    replicas = {r1: replica_of(**{UNSERVABLE: failed}),
+                r2: replica_of(**{DEFAULT: free, OTHER: failed, UNSERVABLE: failed}),
+                r3: replica_of(**{UNSERVABLE: failed})}
+    results: dict[str, object] = {}
+    big = 600 * 1024  # past the file's tune.bufsize too (and within the stand-ins' 1 MiB)
+
+    async def scenario() -> None:
+        async with stand_ins(tmp_path, daemon_agents(replicas)) as (servers, proxy):
+            async with httpx.AsyncClient(base_url=proxy.url, timeout=10) as client:
+                await settle(servers)
+
+                async def replies(label: str, body: dict, headers=None) -> None:
+                    seen = Counter()
+                    for _ in range(4):
+                        response = await client.post("/v1/chat/completions", json=body, headers=headers or {})
+                        seen[response.json()["replica"] if response.status_code == 200 else response.status_code] += 1
+                    results[label] = dict(seen)
+
+                text = {"messages": [{"role": "user", "content": "x" * 40 * 1024}]}
+                await replies("40 KiB, model first", {"model": OTHER, **text})
+                await replies("40 KiB, model last", {**text, "model": OTHER})
+                # The openai SDK writes "messages" before "model": the model lies past the buffer.
+                huge = {"messages": [{"role": "user", "content": "x" * big}], "model": OTHER}
+                await replies("600 KiB with the header", huge, {"X-Dormouse-Model": OTHER})
+                await replies("600 KiB without it", huge)
+                # Where "model" comes first, HAProxy finds it in what it holds of the body.
+                await replies("600 KiB, model first", {"model": OTHER, "messages": huge["messages"]})
+                await replies("header only", {"prompt": "x"}, {"X-Dormouse-Model": OTHER})
+                await replies("body beats header", {"model": DEFAULT}, {"X-Dormouse-Model": OTHER})
+                await replies("unknown header", {"prompt": "x"}, {"X-Dormouse-Model": "gpt-5"})
+
+    asyncio.run(scenario())
+    figures("bodies past 16 KiB (4 requests each)", **{k.replace(" ", "_"): v for k, v in results.items()})
+    assert results["40 KiB, model first"] == results["40 KiB, model last"] == {r3: 4}
+    assert results["600 KiB with the header"] == {r3: 4}
+    assert results["600 KiB without it"] == {r2: 4}  # the documented limit: the default model's backend
+    assert results["600 KiB, model first"] == {r3: 4}
+    assert results["header only"] == {r3: 4}
+    assert results["body beats header"] == {r2: 4}
+    assert results["unknown header"] == {404: 4}
+
+
 def test_agent_drain_outlives_the_process(tmp_path):
     """Why the agent says "up 0%" and never "drain": HAProxy keeps an agent's
     drain (an administrative state) after the agent answers "up 100%" again,

@@ -192,3 +192,28 @@ def test_the_script_exits_2_on_a_bad_description(tmp_path):
     done = run_script("-f", str(bad), "-o", str(tmp_path / "out.cfg"))
     assert done.returncode == 2 and "a model id" in done.stderr
     assert not (tmp_path / "out.cfg").exists()
+
+
+def test_bodies_far_past_16_kib_are_read_for_their_model_and_a_header_names_larger_ones():
+    """HAProxy reads `model` from req.body only as far as tune.bufsize holds the body (16 KiB by
+    default): the file raises it (overridable from the environment) and, for a body larger
+    still, reads X-Dormouse-Model after the body and before ?model=."""
+    text = CFG.read_text()
+    found = re.search(r'^\s*tune\.bufsize "\$\{DORMOUSE_HAPROXY_BUFSIZE-(\d+)\}"$', text, re.M)
+    assert found and int(found.group(1)) >= 256 * 1024 and int(found.group(1)) == generate.BUFSIZE
+    frontend = [line.strip() for line in text.split("frontend dormouse", 1)[1].splitlines()
+                if line.strip().startswith("http-request set-var(txn.model)")]
+    sources = [line.split()[2] for line in frontend]
+    assert sources[:4] == ["req.body,json_query('$.model')", "req.body,json_query('$.name')",
+                           "req.hdr(x-dormouse-model)", "url_param(model)"]
+    assert "DORMOUSE_HAPROXY_BUFSIZE" in text.split("global", 1)[0]  # listed with the other variables
+
+
+@needs_haproxy
+def test_haproxy_takes_the_buffer_size_from_the_environment(tmp_path):
+    cfg = tmp_path / "haproxy.cfg"
+    cfg.write_text(CFG.read_text())
+    env = {**os.environ, "DORMOUSE_HAPROXY_SOCKET": str(tmp_path / "haproxy.sock"), "DORMOUSE_HAPROXY_BUFSIZE": "65536",
+           **{f"DORMOUSE_R{i}": f"127.0.0.1:{9000 + i}" for i in (1, 2, 3)}}
+    checked = subprocess.run(["haproxy", "-c", "-f", str(cfg)], env=env, capture_output=True, text=True, timeout=30)
+    assert checked.returncode == 0, checked.stdout + checked.stderr

@@ -127,8 +127,28 @@ def test_every_state_maps_to_at_most_one_sleep_state(state):
     assert ones == ([SLEEP_STATES[state.value]] if state.value in SLEEP_STATES else [])
     assert len(samples(t, "vllm:engine_sleep_state")) == 3
     expected = {ServerState.READY: ["awake"], ServerState.SLEEPING: ["discard_all"], ServerState.WAKING: ["discard_all"],
-                ServerState.UNLOADING: ["discard_all"]}
+                ServerState.UNLOADING: ["discard_all"], ServerState.DOZING: ["weights_offloaded"],
+                ServerState.DROWSY: ["weights_offloaded"], ServerState.ROUSING: ["weights_offloaded"],
+                ServerState.LIGHT_SLEEP: ["weights_offloaded"]}
     assert ones == expected.get(state, [])
+
+
+@pytest.mark.parametrize("state, tier, sleep_state", [
+    ("ready", "awake", "awake"), ("dozing", "drowsy", "weights_offloaded"), ("drowsy", "drowsy", "weights_offloaded"),
+    ("rousing", "drowsy", "weights_offloaded"), ("light_sleep", "light", "weights_offloaded"),
+    ("sleeping", "deep", "discard_all"), ("unloading", "light", "weights_offloaded"),
+    ("unloading", "deep", "discard_all"), ("unloading", "drowsy", "weights_offloaded"),
+    ("waking", "light", "weights_offloaded"), ("waking", "deep", "discard_all"),
+    ("starting", None, None), ("loading", None, None), ("failed", None, None), ("stopping", None, None)])
+def test_each_tier_is_vllms_sleep_level_and_the_way_there_its_tiers(state, tier, sleep_state):
+    """vLLM's level 1 (weights_offloaded: the KV cache gone, the weights kept in memory) is
+    drowsy and light; level 2 (discard_all) is deep; on the way down or up, the tier's."""
+    families, models = fleet("a")
+    models["a"].set_state(ServerState(state))
+    models["a"].set_tier(tier)
+    t = text(families, ["vllm"])
+    ones = [s for s in VLLM_SLEEP_STATES if value(t, "vllm:engine_sleep_state", sleep_state=s) == 1]
+    assert ones == ([sleep_state] if sleep_state else [])
 
 
 def test_tokens_are_dormouses_counters_and_llamacpp_leaves_the_cached_ones_out():
