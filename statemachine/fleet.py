@@ -25,7 +25,9 @@ a load request for one model should do. The answer is one of:
   (counted in the budget on CPU: the same RAM the models use) can make room
   without evicting any model: lower those tiers to these bytes, least
   recently used models' first, then ask again. A cache is shrunk before a
-  model is evicted; an eviction frees its model's cache too.
+  model is evicted; an eviction frees its model's cache too. Between loads
+  the tiers grow as their models serve: cache_limits tells each tier how far
+  it may grow, within the room the budget has beside the models.
 - Refuse(reason, code): it can never fit: bigger than the whole budget, or
   bigger than what is left beside the models that never leave (pinned and
   never sleeping). Waiting could only block the loads behind it, so the
@@ -67,6 +69,10 @@ class ModelView:
     # Bytes of its prompt cache's RAM tier that count in the budget (on CPU; 0 on a GPU,
     # whose budget is not host RAM): held on top of the above, and freed by a shrink alone.
     cache: int = 0
+    # The most its RAM tier can grow to without being told (its own budget, or the lower one
+    # the fleet set: a worker's tier is only ever lowered); 0 when it cannot grow (asleep,
+    # leaving, on a GPU, no tier). A model admitted and still loading: its setting.
+    cache_ceiling: int = 0
 
     @property
     def holding(self) -> int:
@@ -184,6 +190,38 @@ def shrink_caches(candidates: Sequence[ModelView], need: int) -> tuple[tuple[str
         budgets.append((m.id, m.cache - cut))
         need -= cut
     return tuple(budgets)
+
+
+def cache_limits(models: Iterable[ModelView], budget: int) -> dict[str, int]:
+    """What each resident model's RAM tier may hold from now on (issue 26: the tiers
+    grew past the budget after the admissions that had planned them):
+
+    - within the budget: each tier keeps what it holds, and the room the budget has
+      beside the resident models and their tiers is shared out equally among the
+      tiers that can grow (each up to its ceiling; what one cannot take goes to the
+      others). So models + tiers held + what every tier may grow to <= budget.
+    - past it (a footprint measured above its prediction, a tier reported late): the
+      tiers are shrunk least recently used first, only as far as needed, as for a
+      load; none grows. A tier never frees more than it holds: models are evicted
+      only for a load, and their caches go with them.
+
+    The planner admits on what the tiers hold (plan_load); the owner calls this
+    after every admission and every report, so the room a new model takes is taken
+    from the other tiers' growth before it loads."""
+    resident = [m for m in models if m.resident]
+    tiers = [m for m in resident if m.cache > 0 or m.cache_ceiling > 0]
+    over = sum(m.holding for m in resident) - budget
+    if over > 0:
+        cut = dict(shrink_caches(tiers, over) or ((m.id, 0) for m in tiers))
+        return {m.id: cut.get(m.id, m.cache) for m in tiers}
+    room = -over
+    limits = {m.id: m.cache for m in tiers}
+    growing = sorted((m for m in tiers if m.cache_ceiling > m.cache), key=lambda m: (m.cache_ceiling - m.cache, m.id))
+    for left, m in zip(range(len(growing), 0, -1), growing):  # the smallest wants first: the rest is shared again
+        share = min(room // left, m.cache_ceiling - m.cache)
+        limits[m.id] += share
+        room -= share
+    return limits
 
 
 def plan_load(target: str, models: Mapping[str, ModelView], budget: int) -> Decision:

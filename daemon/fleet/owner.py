@@ -19,6 +19,16 @@ leaves the queue (admitted, refused or given up), and the held requests, in
 order, then wake their model again through this same queue. Held requests are
 bounded as accepted ones are (the model's queue size, then 503 queue_full)
 and wait at most wake_timeout (then 503 with Retry-After).
+
+On CPU the prompt caches' RAM tiers are the same RAM as the models, and they
+grow while their models serve, after the admission that planned them (issue
+26: 649 MiB held against a budget of 600). So after every admission and every
+report a worker sends (each Done carries its tiers), each awake model's tier
+is told how far it may grow: within the room the budget has beside the models
+and what the tiers hold (statemachine.fleet.cache_limits), shrunk least
+recently used first when the sum is past the budget, before any model is
+evicted. The new limit goes to a worker as soon as it says Ready, before its
+first request.
 """
 
 from __future__ import annotations
@@ -35,7 +45,8 @@ from daemon.model.controller import Controller
 from daemon.fleet.metrics import FleetMetrics
 from statemachine import (Event, LoadNotAdmitted, RequestFinished, ServerState, SleepCompleted, SleepRequested,
                           WorkerExited, WorkerLoadFailed)
-from statemachine.fleet import Drain, EvictFirst, ModelView, Refuse, ShrinkCaches, StartNow, Wait, plan_load
+from statemachine.fleet import (Drain, EvictFirst, ModelView, Refuse, ShrinkCaches, StartNow, Wait, cache_limits,
+                                 plan_load)
 
 S = ServerState
 # A model holds memory in these states whether or not the fleet admitted it
@@ -47,6 +58,9 @@ STATUS = {S.STARTING: "sleeping", S.LOADING: "loading", S.WAKING: "loading", S.R
           S.DOZING: "loaded", S.DROWSY: "loaded", S.ROUSING: "loading", S.LIGHT_SLEEP: "sleeping"}
 WEIGHTS = ("model", "draft_model", "mmproj")  # the components a drowsy worker keeps
 RETRY_AFTER_NO_ROOM = 5.0
+# The id prefix of the fleet's prompt_cache_shrink queries: their Answers match no request (the
+# controller posts a RequestFinished that the state machine ignores), and are no use of the model.
+CACHE_QUERY = "fleet-shrink-"
 WORKER_GONE = (SleepCompleted, WorkerExited, WorkerLoadFailed)
 
 
@@ -70,7 +84,8 @@ class FleetModel:
     last_used: float = 0.0  # monotonic time its last request ended, or it last loaded
     admitted: bool = False  # allowed to load; cleared when its worker is gone
     # The prompt cache's RAM tier (daemon/worker/prompt_cache.py): the budget the fleet lowered it
-    # to in this worker (None: its setting), and the worker's last report once that worker is gone.
+    # to in this worker (None: its setting), and the worker's (or engine's) last report once that
+    # worker is gone, or its engine was made again (a rouse).
     cache_limit: int | None = None
     cache_report_gone: Any = None
 
@@ -174,6 +189,27 @@ class Fleet:
                 future.cancel()
             self._changed.set()
 
+    def admission_wait(self, model_id: str) -> float:
+        """Seconds a load of `model_id` would wait for the fleet's other loads (one at a time):
+        what is left of the one under way and the predicted wakes of those asked for before it.
+        Only predictions from this host's wakes count (a default guess never refuses a request,
+        daemon/model/sleep_tiers.py too_slow); a wait for busy models to finish is not predicted."""
+        if not self.admitting or self.models[model_id].admitted:
+            return 0.0
+
+        def measured(model: FleetModel) -> float:
+            prediction = model.controller.predict_wake()
+            return prediction.seconds if prediction is not None and prediction.basis == "measured" else 0.0
+
+        total = sum(measured(m) for m in self.models.values()
+                    if m.id != model_id and m.admitted and m.controller.state in (S.LOADING, S.WAKING))
+        for load in self._pending:
+            if load.model_id == model_id:
+                break
+            if not load.future.done():
+                total += measured(self.models[load.model_id])
+        return total
+
     def waiting_for_room(self, model_id: str, since: float) -> str | None:
         """Why `model_id`'s load is waiting for the fleet, or gave up waiting
         after `since` (a request's wake bound and its admission's expire in the
@@ -195,6 +231,8 @@ class Fleet:
             await self._changed.wait()
             self._changed.clear()
             self._plan()
+            self._fit_caches()
+            self._update_gauges()  # planned bytes with the tiers as last reported
 
     def _plan(self) -> None:
         while self._pending:
@@ -209,6 +247,7 @@ class Fleet:
                 self._pending.popleft()
                 model.admitted = True
                 self._last_wait.pop(model_id, None)
+                self._fit_caches(for_model=model_id)  # the other tiers leave it its room before it loads
                 self.log.info("fleet.admit", model=model_id, bytes=model.bytes, planned=self.planned_bytes())
                 future.set_result(None)
                 self._update_gauges()
@@ -278,7 +317,7 @@ class Fleet:
             views[m.id] = ModelView(m.id, m.bytes, resident, state, m.last_used,
                                     busy=m.controller.machine.busy, pinned=m.pinned,
                                     sleeps_when_idle=m.controller.machine.policy.idle_seconds >= 0, held=held,
-                                    cache=cache)
+                                    cache=cache, cache_ceiling=self.cache_ceiling(m) if resident else 0)
         return views
 
     # -- the prompt caches' RAM tiers -----------------------------------------------------
@@ -293,21 +332,50 @@ class Fleet:
         held = int((report or {}).get("ram", {}).get("bytes", 0) or 0)
         return held if model.cache_limit is None else min(held, model.cache_limit)
 
+    def cache_ceiling(self, model: FleetModel) -> int:
+        """The most its RAM tier can grow to without being told again (0: it cannot grow, or does not count)."""
+        c = model.controller
+        if self.on_gpu(model) or c.settings.embeddings:  # a GPU's budget is not host RAM; an embedder has no tier
+            return 0
+        setting = c.settings.prompt_cache_ram_bytes
+        if c.state is S.READY:
+            return setting if model.cache_limit is None else min(setting, model.cache_limit)
+        if model.admitted and c.state in (S.LOADING, S.WAKING, S.ROUSING):
+            return setting  # its next engine starts with its setting (told its limit when it says Ready)
+        return 0
+
+    def _fit_caches(self, for_model: str | None = None) -> None:
+        """Tell each awake model's tier how far it may grow (statemachine.fleet.cache_limits): within
+        the room the budget has, shrunk least recently used first when the sum is past it."""
+        if not self.admitting:
+            return  # a fleet of one with no budget set: its tier keeps its own
+        for model_id, limit in cache_limits(self.views().values(), self.budget).items():
+            model = self.models[model_id]
+            if model.controller.state is S.READY:  # the others are told when they say Ready
+                self._limit_cache(model, limit, for_model)
+
+    def _limit_cache(self, model: FleetModel, budget: int, for_model: str | None) -> bool:
+        """Lower its worker's RAM tier to `budget` bytes (PromptCache.shrink: the least recently used
+        entries go, between two decode steps; they are on disk already). False when it is that low
+        already: a worker's tier is only ever lowered, so a higher budget would change nothing."""
+        setting = model.controller.settings.prompt_cache_ram_bytes
+        current = setting if model.cache_limit is None else min(setting, model.cache_limit)
+        if budget >= max(current, self.cache_bytes(model)):
+            return False
+        model.cache_limit = budget
+        self.log.info("fleet.shrink_prompt_cache", model=model.id, for_model=for_model, budget_bytes=budget,
+                      held_bytes=self.cache_bytes(model), planned=self.planned_bytes())
+        # Out of band, as a Cancel: not a request (the idle timer and the busy flag are not touched);
+        # its Answer matches no job and is dropped.
+        model.controller.supervisor.send(
+            p.Query(f"{CACHE_QUERY}{model.id}-{time.monotonic_ns()}", "prompt_cache_shrink", tokens=[budget]))
+        return True
+
     def _shrink_caches(self, decision: ShrinkCaches, for_model: str) -> bool:
-        """Lower the RAM tiers the planner named (the worker drops its least recently used
-        entries between two decode steps; they are on disk already). True if any was lowered."""
+        """Lower the RAM tiers the planner named. True if any was lowered."""
         lowered = False
         for model_id, budget in decision.budgets:
-            model = self.models[model_id]
-            if model.cache_limit is not None and model.cache_limit <= budget:
-                continue
-            model.cache_limit = budget
-            lowered = True
-            self.log.info("fleet.shrink_prompt_cache", model=model_id, for_model=for_model, budget_bytes=budget)
-            # Out of band, as a Cancel: not a request (the idle timer and the busy flag are not touched);
-            # its Answer matches no job and is dropped.
-            model.controller.supervisor.send(
-                p.Query(f"fleet-shrink-{model_id}-{time.monotonic_ns()}", "prompt_cache_shrink", tokens=[budget]))
+            lowered = self._limit_cache(self.models[model_id], budget, for_model) or lowered
         return lowered
 
     # -- what each tier holds ----------------------------------------------------------
@@ -358,10 +426,11 @@ class Fleet:
         controller = model.controller
 
         def on_event(event: Event) -> None:
-            if isinstance(event, RequestFinished):
+            if isinstance(event, RequestFinished) and not event.request_id.startswith(CACHE_QUERY):
                 # When a request ends, not when it arrives: a model that served a
                 # long stream until a moment ago was used more recently than one
                 # whose short request came after the stream began and ended before.
+                # (A shrink's answer is no use of the model: it must not make it the last to go.)
                 model.last_used = time.monotonic()
             if isinstance(event, WORKER_GONE):
                 # Its memory is back. Not only on reaching SLEEPING: a model asked for
@@ -381,12 +450,18 @@ class Fleet:
             if after is S.READY and before is not S.READY:
                 model.last_used = time.monotonic()  # just loaded (for a request or an operator): not the first to go
                 self._measured(model)
+                # A new engine (a load, a wake, a rouse): its tier is empty, with its setting's budget; what
+                # was reported before was another engine's. Its limit goes now, before its first request
+                # (the controller dispatches the waiting requests after telling its listeners).
+                model.cache_limit, model.cache_report_gone = None, controller.metrics.prompt_cache
+                self._fit_caches(for_model=model.id)
             self._update_gauges()
 
         controller.event_listeners.append(on_event)
         controller.state_listeners.append(on_state)
         if self.admitting:
             controller.admission = lambda reason: self.admit(model.id, reason)
+            controller.fleet_wait = lambda: self.admission_wait(model.id)
 
     def _measured(self, model: FleetModel) -> None:
         by_device: dict[str, dict[str, int]] = model.controller.model_info.get("memory_by_device") or {}

@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 
 from statemachine import ServerState as S
-from statemachine.fleet import EvictFirst, ModelView, Refuse, ShrinkCaches, StartNow, plan_load, shrink_caches
+from statemachine.fleet import (EvictFirst, ModelView, Refuse, ShrinkCaches, StartNow, cache_limits, plan_load,
+                              shrink_caches)
 
 GiB = 2**30
 
@@ -87,3 +88,71 @@ async def test_the_owner_shrinks_a_models_ram_tier_instead_of_evicting_it():
         assert a.cache_limit is None
         assert isinstance(await ask(fleet, "a"), p.Done)
         assert fleet.views()["a"].cache == 0  # the fake worker reports no tiers: the old report is not its
+
+
+# -- how far each tier may grow between loads (issue 26) --
+
+def test_the_room_beside_the_models_is_shared_among_the_tiers_that_can_grow():
+    # 590 of 600 planned to models; a holds 1 and may grow to 64, b holds nothing yet.
+    MiB = 2**20
+    a = ModelView("a", 295 * MiB, True, S.READY, 1, cache=1 * MiB, cache_ceiling=64 * MiB)
+    b = ModelView("b", 295 * MiB, True, S.LOADING, 2, cache_ceiling=64 * MiB)
+    assert cache_limits([a, b], 600 * MiB) == {"a": int(5.5 * MiB), "b": int(4.5 * MiB)}
+    # What one cannot take goes to the others; with room to spare, each its own ceiling.
+    small = ModelView("a", 295 * MiB, True, S.READY, 1, cache=1 * MiB, cache_ceiling=2 * MiB)
+    assert cache_limits([small, b], 600 * MiB) == {"a": 2 * MiB, "b": 8 * MiB}
+    assert cache_limits([a, b], 2000 * MiB) == {"a": 64 * MiB, "b": 64 * MiB}
+    # Asleep or without a tier (a GPU's, an embedder's): nothing to limit, and its bytes still count.
+    assert cache_limits([asleep("c", 1), a], 600 * MiB) == {"a": 64 * MiB}
+    on_gpu = ModelView("g", 5 * MiB, True, S.READY, 0)  # its tier is not the budget's: it holds 5 beside them
+    assert cache_limits([on_gpu, a, b], 600 * MiB) == {"a": 3 * MiB, "b": 2 * MiB}
+
+
+def test_past_the_budget_the_tiers_shrink_least_recently_used_first_and_none_grows():
+    MiB = 2**20
+    old = ModelView("old", 295 * MiB, True, S.READY, 1, cache=59 * MiB, cache_ceiling=64 * MiB)
+    new = ModelView("new", 290 * MiB, True, S.READY, 2, cache=10 * MiB, cache_ceiling=64 * MiB)
+    assert cache_limits([old, new], 600 * MiB) == {"old": 5 * MiB, "new": 10 * MiB}  # 654: 54 from old's 59
+    assert cache_limits([old, new], 580 * MiB) == {"old": 0, "new": 0}  # the models alone are past it
+
+
+def random_tiers(rng):
+    states = [S.READY, S.READY, S.LOADING, S.UNLOADING, S.SLEEPING, S.DROWSY]
+    models = []
+    for i in range(rng.randrange(1, 6)):
+        state = rng.choice(states)
+        resident = state is not S.SLEEPING
+        ceiling = rng.choice([0, rng.randrange(0, 40)]) if state in (S.READY, S.LOADING) else 0
+        cache = rng.randrange(0, ceiling + 1) if state is S.READY else rng.choice([0, rng.randrange(0, 20)])
+        cache = cache if state in (S.READY, S.UNLOADING) else 0
+        models.append(ModelView(f"m{i}", rng.randrange(1, 60), resident, state, rng.randrange(5),
+                                cache=cache, cache_ceiling=ceiling))
+    return models
+
+
+def test_over_random_fleets_models_plus_tiers_never_pass_the_budget():
+    import random
+
+    rng = random.Random(26)
+    for _ in range(3000):
+        models = random_tiers(rng)
+        budget = rng.randrange(1, 250)
+        limits = cache_limits(models, budget)
+        resident = [m for m in models if m.resident]
+        weights = sum(m.holding - m.cache for m in resident)
+        held = sum(m.cache for m in resident)
+        by_id = {m.id: m for m in models}
+        assert all(by_id[i].resident for i in limits) and all(v >= 0 for v in limits.values())
+        planned = weights + sum(limits.get(m.id, m.cache) for m in resident)
+        if weights + held <= budget:
+            assert planned <= budget  # every tier grown to its limit still fits
+            assert all(limits[i] >= by_id[i].cache for i in limits)  # and none was lowered below what it holds
+            assert all(limits[i] <= max(by_id[i].cache, by_id[i].cache_ceiling) for i in limits)
+            # No room left unshared while a tier could still grow.
+            if budget - planned > 0:
+                assert all(limits[i] >= by_id[i].cache_ceiling for i in limits)
+        else:
+            # Past it: the tiers give what they can, only as far as needed, and none grows.
+            assert all(limits[i] <= by_id[i].cache for i in limits)
+            freed = held - sum(limits.get(m.id, m.cache) for m in resident)
+            assert freed == min(held, weights + held - budget)
