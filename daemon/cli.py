@@ -158,9 +158,11 @@ def main(argv: list[str] | None = None) -> int:
     if command == "check-config":
         return _check_config(settings, plans)
 
+    from daemon.logs import configure_logging, get_logger
     from daemon.server import run
 
-    add_footprints(plans, footprint_store(settings))
+    configure_logging(settings.log_format, settings.log_level)  # the footprints' warnings go to the log
+    add_footprints(plans, footprint_store(settings, get_logger()))
     return run(settings, plans, reload_settings=lambda: load_settings(config_file, args))
 
 

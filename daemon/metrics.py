@@ -197,6 +197,12 @@ class MetricFamilies:
                                         M + ["tier"], registry=r)
         self.prompt_cache_entries = Gauge("dormouse_prompt_cache_entries", "Prompt prefixes the tier holds",
                                           M + ["tier"], registry=r)
+        self.prompt_cache_write_errors = Counter(
+            "dormouse_prompt_cache_write_errors_total",
+            "Prompt cache entries not written to disk (a full, failing or read-only state directory)", M, registry=r)
+        self.unclean_sleeps = Counter("dormouse_unclean_sleeps_total",
+                                      "Sleeps whose worker died or was killed before its report", M + ["reason"],
+                                      registry=r)
         self.prompt_cache_evictions = Counter("dormouse_prompt_cache_evictions_total",
                                               "Entries dropped to stay within the tier's budget", M + ["tier"], registry=r)
         self.idle_timeout_seconds = Gauge("dormouse_idle_timeout_seconds", "Configured idle sleep timeout (-1: never)", M, registry=r)
@@ -239,8 +245,10 @@ class Metrics:
             self.prompt_cache_restored_tokens.labels(tier=tier)
         self.prompt_cache: dict[str, dict[str, float]] = {}  # the worker's latest PromptCache.summary (/props)
         self._evictions_seen: dict[str, float] = {}
+        self._write_errors_seen = 0  # the worker's count, cumulative in one worker
 
     def observe_wake(self, record: dict, memory_by_device: dict[str, dict[str, int]]) -> None:
+        self._write_errors_seen = 0  # a new worker counts its write errors from 0
         reason = record["reason"]
         self.resume_seconds.labels(reason=reason).observe(record["seconds"])
         for phase in record["phases"]:
@@ -252,9 +260,17 @@ class Metrics:
         if record["reason"] != "startup":  # the first load is not a wake
             self.wakes.labels(reason=record["reason"]).inc()
 
+    def observe_write_errors(self, count: int) -> None:
+        """The worker's write errors so far (a new worker counts from 0 again)."""
+        seen = self._write_errors_seen
+        self.prompt_cache_write_errors.inc(count - seen if count >= seen else count)
+        self._write_errors_seen = count
+
     def observe_sleep(self, record: dict) -> None:
         self.sleep_seconds.observe(record["seconds"])
         self.sleeps.labels(reason=record["reason"]).inc()
+        if not record.get("clean", True):
+            self.unclean_sleeps.labels(reason=record["reason"]).inc()
         for phase in record["phases"]:
             self.sleep_phase_seconds.labels(phase=phase["name"]).observe(phase["seconds"])
             if phase["name"] == "kv_save":  # bytes written, not freed
@@ -296,6 +312,7 @@ class Metrics:
             seen = self._evictions_seen.get(tier, 0)
             self.prompt_cache_evictions.labels(tier=tier).inc(count - seen if count >= seen else count)
             self._evictions_seen[tier] = count
+        self.observe_write_errors(done.prompt_cache.get("disk", {}).get("write_errors", 0))
 
     def set_state(self, state: ServerState) -> None:
         for s in ServerState:

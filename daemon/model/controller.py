@@ -460,6 +460,8 @@ class Controller(SleepTiers):
         self.model_info = ready.model_info
         for reason, count in ready.kv_rejected.items():
             self.metrics.kv_rejected.labels(reason=reason).inc(count)
+        if ready.kv_rejected:
+            self.log.warning("kv_cache.rejected_files", during="load", files=dict(ready.kv_rejected))
         self._spawn(self._refresh_kv_saved())  # the worker may have deleted files; the wake does not wait
         self.n_ctx_slot = ready.n_ctx_slot
         self.slots = [p.SlotInfo(i, "idle") for i in range(ready.n_slots)]
@@ -486,6 +488,8 @@ class Controller(SleepTiers):
         self._forget_worker()
         self.log.info("sleep.done", reason=reason, seconds=round(seconds, 4), clean=self.last_sleep["clean"],
                       phases=phase_seconds(self.last_sleep, 5), pid=result.pid)
+        if result.report is not None:
+            self.metrics.observe_write_errors(result.report.kv_save_errors)  # cumulative: only the new ones count
         if result.report is not None and result.report.kv_save_errors:
             self.log.warning("sleep.kv_save_failed", files=result.report.kv_save_errors)
         await self._refresh_kv_saved()
@@ -603,6 +607,7 @@ class Controller(SleepTiers):
             m.kv_misses.inc()
         if done.kv_rejected:
             m.kv_rejected.labels(reason=done.kv_rejected).inc()
+            self.log.warning("kv_cache.rejected_files", during="restore", files={done.kv_rejected: 1})
 
     def _on_worker_died(self, worker: Worker, reason: str) -> None:
         uptime = None if self._ready_at is None else time.monotonic() - self._ready_at

@@ -156,6 +156,7 @@ class WakeHistory:
             self._write()
 
     def _write(self) -> None:
+        tmp = None
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             fd, tmp = tempfile.mkstemp(prefix=".wake_history.", dir=self.path.parent)
@@ -164,8 +165,16 @@ class WakeHistory:
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(tmp, self.path)
-        except OSError:
-            pass  # a prediction is an optimisation, never a reason to fail
+            tmp = None
+        except OSError as exc:  # a prediction is an optimisation, never a reason to fail
+            if self.log is not None:
+                self.log.warning("wake_history.write_failed", path=str(self.path), error=str(exc))
+        finally:
+            if tmp is not None:  # a full or failing disk: no temporary file left behind
+                try:
+                    os.unlink(tmp)
+                except OSError:
+                    pass
 
     # -- the fitted host figures --
 
