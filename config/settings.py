@@ -213,6 +213,12 @@ class Settings(BaseSettings):
                            "false: reuse every shared token that llama.cpp still holds (answers may differ from a "
                            "fresh read in later tokens, as llama.cpp's kernels differ by batch size)")
 
+    cache_checkpoint_every: int = Field(
+        1024, ge=0, le=2**24,
+        description="on a model with sliding-window layers, a checkpoint of the window every this many prompt "
+                    "tokens, besides each prompt's end and each turn boundary (a window can be extended, never cut "
+                    "back: a checkpoint is where a regenerate or an edit can start again); 0: only those")
+
     # -- the prompt cache across sleeps --
     kv_cache_min_tokens: int = Field(256, ge=1, le=2**24,
                                      description="a slot's cached prefix at least this long is saved at sleep")

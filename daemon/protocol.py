@@ -13,9 +13,10 @@ work that is one step long and needs the loaded model's vocabulary, template
 or embeddings context (tokenize, detokenize, apply_template, embed), answered
 by one Answer.
 
-Ping/Pong is the liveness check: a serving worker answers between decode
-steps, so a worker that stops answering (hung in a kernel, SIGSTOPped,
-deadlocked) is noticed and killed instead of holding its requests forever.
+Ping/Pong is the liveness check: a serving worker answers at once (its channel
+thread, mid-step too) and says how long its current step has run, so a worker
+that stops answering (SIGSTOPped, deadlocked) or whose step never ends (hung in
+a kernel) is noticed and killed instead of holding its requests forever.
 """
 
 from __future__ import annotations
@@ -68,6 +69,9 @@ class ModelSpec(msgspec.Struct, omit_defaults=True):
     embeddings: bool = False  # an embeddings model: a pooled context, no generation
     pooling: str = "mean"  # mean, cls, last, or rank (a reranker's classifier head) (with embeddings)
     cache_deterministic: bool = False  # True: reuse whole prompt chunks only, the same greedy answer as a fresh read
+    # A model with sliding-window layers keeps checkpoints of its window (worker/kv_cache.take_checkpoint)
+    # at each prompt's end, each turn boundary and every this many prompt tokens (at a chunk's end); 0: not every N.
+    cache_checkpoint_every: int = 1024
 
     # What one llama_decode may carry, shared by the worker (which sizes its
     # context with it) and the daemon's footprint prediction (which must match).
@@ -318,6 +322,10 @@ class SlotStates(Message):
 
 class Pong(Message):
     seq: int
+    # How long the worker's decode loop has been inside its current step (0: between steps).
+    # The channel thread answers at once, mid-step: a step older than worker_liveness_timeout
+    # is a stuck worker (daemon/model/supervisor.py), however many pings it still answers.
+    step_seconds: float = 0.0
 
 
 class SleepReport(Message):

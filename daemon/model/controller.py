@@ -558,6 +558,7 @@ class Controller(SleepTiers):
             embeddings=s.embeddings,
             pooling=s.pooling,
             cache_deterministic=s.cache_deterministic,
+            cache_checkpoint_every=s.cache_checkpoint_every,
             load_mode=s.load_mode,
         )
 

@@ -69,13 +69,23 @@ class UnsafeDirectory(OSError):
 Scalar = str | int | bool
 
 
-class KvHeader(msgspec.Struct):
+class KvHeader(msgspec.Struct, omit_defaults=True):  # omit_defaults: a scope of "" encodes as before scopes
     version: int
     model: dict[str, Scalar]  # flat: a nested header is not one of ours
     layout: dict[str, Scalar]
     tokens: list[int]
     state_bytes: int
     checksum: str  # seal(): set by write_file, whatever the caller put here
+    scope: str = ""  # scope_id() of the cache scope that wrote it ("" for the scope of requests with no key or salt)
+
+
+def scope_id(scope: str) -> str:
+    """What a file (and an entry) carries of its cache scope: a hash, so that
+    a key's name never appears in a header or a file name. "" stays "" (the
+    files written before scopes belong to it)."""
+    if not scope:
+        return ""
+    return hashlib.blake2b(scope.encode("utf-8"), digest_size=16, person=b"dormouse-scope").hexdigest()
 
 
 def model_fingerprint(path: str | Path) -> dict[str, Any]:
@@ -86,9 +96,14 @@ def model_fingerprint(path: str | Path) -> dict[str, Any]:
     return {"size": info.st_size, "mtime_ns": info.st_mtime_ns, "head": head}
 
 
-def tokens_name(tokens: list[int]) -> str:
-    """The file name for a token list. Raises struct.error for ids outside int32."""
-    return hashlib.blake2b(struct.pack(f"<{len(tokens)}i", *tokens), digest_size=16).hexdigest() + SUFFIX
+def tokens_name(tokens: list[int], scope: str = "") -> str:
+    """The file name for a token list in a scope (scope_id(): a hash). Raises
+    struct.error for ids outside int32."""
+    digest = hashlib.blake2b(digest_size=16)
+    if scope:
+        digest.update(b"scope:" + scope.encode("ascii") + b"\0")
+    digest.update(struct.pack(f"<{len(tokens)}i", *tokens))
+    return digest.hexdigest() + SUFFIX
 
 
 def checksum(state: bytes) -> str:
@@ -177,7 +192,7 @@ def write_file(directory: Path, header: KvHeader, state: bytes, name: str | None
     (POST /slots save), else the hash of the tokens. Raises OSError, UnsafeDirectory included."""
     sealed = msgspec.structs.replace(header, checksum=seal(header, state))
     body = msgspec.msgpack.encode(sealed)
-    name = name or tokens_name(header.tokens)
+    name = name or tokens_name(header.tokens, header.scope)
     temporary = f".{name}.{os.getpid()}.tmp"
     with _directory(directory, create=True) as dir_fd:
         try:
@@ -217,8 +232,8 @@ def _read_header(f: BinaryIO, name: str, named: bool = True) -> tuple[KvHeader, 
     if size != offset + header.state_bytes:
         raise KvFileError("truncated", f"{name}: {size - offset} state bytes, the header says {header.state_bytes}")
     try:
-        own = tokens_name(header.tokens)
-    except struct.error:
+        own = tokens_name(header.tokens, header.scope)
+    except (struct.error, UnicodeEncodeError):
         raise KvFileError("corrupt", f"{name}: token ids outside int32") from None
     if named and own != name:
         raise KvFileError("corrupt", f"{name}: holds the tokens of {own}, not its own")
@@ -263,6 +278,7 @@ class KvEntry:
     offset: int
     file_bytes: int
     used_at: float  # mtime: written, or last restored
+    scope: str = ""  # scope_id() of the scope that wrote it
 
 
 @dataclass
@@ -274,6 +290,29 @@ class KvIndex:
     layout: dict[str, Any]
     entries: list[KvEntry] = field(default_factory=list)
     rejected: dict[str, int] = field(default_factory=dict)  # reason -> files deleted
+    cut_back: Any = None  # n -> whether a state of n tokens may be cut back (full attention); None: always
+    _prefix: Any = None  # the PrefixIndex of the entries, built at its first use, kept in step after
+
+    @property
+    def prefix(self) -> "PrefixIndex":
+        if self._prefix is None:
+            self._prefix = PrefixIndex()
+            for entry in self.entries:
+                self._file(entry)
+        return self._prefix
+
+    def _file(self, entry: KvEntry) -> None:
+        if self._prefix is not None:
+            self._prefix.add(entry, self.cut_back(len(entry.tokens)) if self.cut_back else True)
+
+    def _unfile(self, entry: KvEntry) -> None:
+        if self._prefix is not None:
+            self._prefix.remove(entry)
+
+    def forget(self, entry: KvEntry) -> None:
+        """Drop an entry from the index (its file left as it is)."""
+        self.entries = [e for e in self.entries if e is not entry]
+        self._unfile(entry)
 
     @classmethod
     def scan(cls, directory: Path, model: dict[str, Any], layout: dict[str, Any], delete_bad: bool = True) -> "KvIndex":
@@ -316,7 +355,7 @@ class KvIndex:
                     self._reject_in(dir_fd, name, exc.reason)
                 continue
             self.entries.append(KvEntry(self.directory / name, header.tokens, header.state_bytes, offset,
-                                        info.st_size, info.st_mtime))
+                                        info.st_size, info.st_mtime, header.scope))
 
     def reject(self, path: Path, reason: str) -> None:
         """Forget a file that is not to be trusted, and delete it if the directory lets us."""
@@ -336,29 +375,37 @@ class KvIndex:
 
     def _count(self, path: Path, reason: str) -> None:
         self.rejected[reason] = self.rejected.get(reason, 0) + 1
-        self.entries = [e for e in self.entries if e.path != path]
+        for entry in [e for e in self.entries if e.path == path]:
+            self.forget(entry)
 
-    def longest_prefix_of(self, tokens: list[int], longer_than: int) -> KvEntry | None:
-        """The saved entry whose tokens are the longest prefix of `tokens`, if longer than `longer_than`."""
+    def longest_prefix_of(self, tokens: list[int], longer_than: int, scope: str = "") -> KvEntry | None:
+        """The saved entry of `scope` (a scope_id) whose tokens are the longest prefix of `tokens`, if longer
+        than `longer_than`."""
         best = None
         for entry in self.entries:
             n = len(entry.tokens)
             if n > longer_than and n <= len(tokens) and (best is None or n > len(best.tokens)) \
-                    and tokens[:n] == entry.tokens:
+                    and entry.scope == scope and tokens[:n] == entry.tokens:
                 best = entry
         return best
 
-    def add(self, path: Path, tokens: list[int], state_bytes: int, offset: int) -> None:
-        """A new file; older files it makes useless (a prefix of its tokens) go."""
+    def add(self, path: Path, tokens: list[int], state_bytes: int, offset: int, scope: str = "",
+            supersede: bool = True) -> None:
+        """A new file. supersede: older files of its scope that it makes useless (a prefix of its
+        tokens) go; the caller says False when the new state cannot be cut back to them (a window
+        or a recurrent state: the shorter file is a checkpoint that still serves a regenerate)."""
         with _directory(self.directory) as dir_fd:
             for entry in list(self.entries):
                 if entry.path == path:  # rewritten in place
-                    self.entries.remove(entry)
-                elif len(entry.tokens) < len(tokens) and tokens[:len(entry.tokens)] == entry.tokens:
+                    self.forget(entry)
+                elif supersede and entry.scope == scope and len(entry.tokens) < len(tokens) \
+                        and tokens[:len(entry.tokens)] == entry.tokens:
                     _unlink(dir_fd, entry.path.name)  # superseded: the new file restores all it did and more
-                    self.entries.remove(entry)
+                    self.forget(entry)
             info = os.stat(path.name, dir_fd=dir_fd, follow_symlinks=False)
-        self.entries.append(KvEntry(path, tokens, state_bytes, offset, info.st_size, info.st_mtime))
+        entry = KvEntry(path, tokens, state_bytes, offset, info.st_size, info.st_mtime, scope)
+        self.entries.append(entry)
+        self._file(entry)
 
     def touch(self, entry: KvEntry) -> None:
         with _directory(self.directory) as dir_fd:
@@ -381,7 +428,7 @@ class KvIndex:
                     if self.disk_bytes <= budget:
                         break
                     _unlink(dir_fd, entry.path.name)
-                    self.entries.remove(entry)
+                    self.forget(entry)
                     gone += 1
         except OSError:
             pass
@@ -414,3 +461,135 @@ def describe_dir(directory: Path) -> dict[str, Any]:
     except OSError:
         pass
     return {"files": files, "bytes": total, "prefixes": sorted(prefixes, reverse=True)[:32]}
+
+
+# -- the index from block keys to entries (issue 26: a lookup that does not grow with the cache) --
+
+INDEX_BLOCK = 256  # tokens per block of the chained keys (prompt_blocks.BLOCK)
+MAX_SHARERS = 8  # entries compared beyond the deepest shared block at most (the most recently added)
+
+
+def chain_keys(tokens: list[int], scope: str = "", block: int = INDEX_BLOCK) -> list[bytes]:
+    """keys[i]: a hash naming the scope and tokens[:i * block] (keys[0]: the scope
+    alone), so equal keys mean equal full blocks from 0 in the same scope."""
+    previous = hashlib.blake2b(scope.encode("utf-8"), digest_size=16, person=b"dormouse-chain").digest()
+    keys = [previous]
+    for i in range(len(tokens) // block):
+        digest = hashlib.blake2b(previous, digest_size=16)
+        digest.update(struct.pack(f"<{block}i", *tokens[i * block:(i + 1) * block]))
+        previous = digest.digest()
+        keys.append(previous)
+    return keys
+
+
+class PrefixIndex:
+    """Entries (anything with .tokens and .scope) by chained block keys, so that
+    finding those that share a prompt's prefix costs in proportion to the
+    prompt's blocks, not to the entries held:
+
+    - `tails[keys[f]][t][tuple(tail)]`: entries of f full blocks and a tail of t
+      tokens (the exact-prefix lookup: an entry whose tokens all begin the
+      prompt, or all but its last one: a regenerate of a window state);
+    - `sharers[keys[i]]`: entries that hold full block i (and may be cut back
+      to it: full attention), for a prompt that leaves them past block i
+      (keys[0]: every such entry of the scope, for a share under a block).
+
+    A lookup walks the prompt's levels; per level it probes at most the
+    distinct tail lengths held there (fewer than a block) and compares at most
+    MAX_SHARERS entries at the deepest shared block. `work` counts the probes
+    and comparisons (the unit test's measure)."""
+
+    def __init__(self, block: int = INDEX_BLOCK) -> None:
+        self.block = block
+        self.tails: dict[bytes, dict[int, dict[tuple, list]]] = {}
+        self.sharers: dict[bytes, dict[int, Any]] = {}
+        self.where: dict[int, tuple] = {}  # id(entry) -> what it was filed under
+        self.work = 0
+
+    def __len__(self) -> int:
+        return len(self.where)
+
+    def add(self, entry: Any, cut_back: bool) -> None:
+        """cut_back: the entry's state may be cut back to any prefix (full attention)."""
+        if id(entry) in self.where:
+            return
+        tokens = entry.tokens
+        keys = chain_keys(tokens, entry.scope, self.block)
+        f = len(tokens) // self.block
+        filed = []
+        for t_tokens in (tokens, tokens[:-1]) if tokens else ():  # its own tokens, and all but the last
+            g = len(t_tokens) // self.block
+            tail = tuple(t_tokens[g * self.block:])
+            self.tails.setdefault(keys[g], {}).setdefault(len(tail), {}).setdefault(tail, []).append(entry)
+            filed.append((keys[g], len(tail), tail))
+        shared = keys[:f + 1] if cut_back else []  # keys[0]: the scope alone (a share shorter than a block)
+        for key in shared:
+            self.sharers.setdefault(key, {})[id(entry)] = entry
+        self.where[id(entry)] = (filed, shared)
+
+    def remove(self, entry: Any) -> None:
+        filed, shared = self.where.pop(id(entry), ((), ()))
+        for key, n, tail in filed:
+            by_len = self.tails[key]
+            found = by_len[n][tail]
+            found[:] = [e for e in found if e is not entry]
+            if not found:
+                del by_len[n][tail]
+                if not by_len[n]:
+                    del by_len[n]
+                    if not by_len:
+                        del self.tails[key]
+        for key in shared:
+            held = self.sharers[key]
+            held.pop(id(entry), None)
+            if not held:
+                del self.sharers[key]
+
+    def clear(self) -> None:
+        self.tails.clear()
+        self.sharers.clear()
+        self.where.clear()
+
+    def candidates(self, tokens: list[int], scope: str = "") -> list[tuple[Any, int]]:
+        """(entry, tokens it shares with `tokens`) for every entry that is a
+        prefix of them (or all but its last token is), and for the entries
+        that share the deepest full block (at most MAX_SHARERS of them)."""
+        keys = chain_keys(tokens, scope, self.block)
+        out: list[tuple[Any, int]] = []
+        for g, key in enumerate(keys):
+            by_len = self.tails.get(key)
+            self.work += 1
+            if not by_len:
+                continue
+            start = g * self.block
+            for n in by_len:
+                self.work += 1
+                if start + n > len(tokens):
+                    continue
+                for entry in by_len[n].get(tuple(tokens[start:start + n]), ()):
+                    m = len(entry.tokens)
+                    out.append((entry, m if start + n == m else m - 1 if tokens[m - 1:m] != entry.tokens[-1:] else m))
+        for key in reversed(keys):
+            self.work += 1
+            held = self.sharers.get(key)
+            if held:
+                for entry in list(held.values())[-MAX_SHARERS:]:
+                    self.work += 1
+                    n = 0
+                    for x, y in zip(entry.tokens, tokens):
+                        if x != y:
+                            break
+                        n += 1
+                    out.append((entry, n))
+                break
+        return out
+
+    def exact(self, tokens: list[int], scope: str = "") -> Any | None:
+        """The entry of exactly these tokens in this scope."""
+        g = len(tokens) // self.block
+        key = chain_keys(tokens[:g * self.block], scope, self.block)[-1]
+        tail = tuple(tokens[g * self.block:])
+        for entry in self.tails.get(key, {}).get(len(tail), {}).get(tail, ()):
+            if len(entry.tokens) == len(tokens):
+                return entry
+        return None

@@ -13,9 +13,17 @@ on_unexpected_exit is called (it died while serving). A stop() that finds its
 worker already gone returns `already_gone`: the exit was (or is about to be)
 reported through on_unexpected_exit, and must not be reported twice.
 
-A serving worker is pinged; one that answers nothing for `liveness_timeout`
-seconds (hung in a kernel, stopped, deadlocked) is killed, and its death is an
+A serving worker is pinged, and answers from its channel thread at once, even
+mid-step, with the age of its current step (daemon/worker/channel.py). It is
+killed when it answers nothing for `liveness_timeout` seconds (stopped,
+deadlocked) or when one step has run longer than that (hung in a kernel): a
+step is at most one prompt chunk, so a worker that is slow but progressing
+(steps keep ending) is never killed, however long its work. Its death is an
 ordinary unexpected exit whose reason says it hung.
+
+Workers run in a session of their own (start_new_session): the signals a
+terminal sends to its foreground process group (Ctrl-C, hang-up, Ctrl-Z) reach
+the daemon only, which then sleeps its models in order, saving what a sleep saves.
 """
 
 from __future__ import annotations
@@ -50,6 +58,7 @@ class Worker:
     phase: str = "spawned"  # spawned, loading, serving, stopping, gone
     stderr_tail: deque[str] = field(default_factory=lambda: deque(maxlen=20))
     last_heard: float = field(default_factory=time.monotonic)  # any message counts as a sign of life
+    step_seconds: float = 0.0  # the age of its current step, as its last Pong said (0: between steps)
     kill_reason: str | None = None  # why the daemon killed it, if it did
     exited: asyncio.Event = field(default_factory=asyncio.Event)
     tasks: list[asyncio.Task] = field(default_factory=list)
@@ -133,6 +142,7 @@ class Supervisor:
                 stdout=asyncio.subprocess.DEVNULL,
                 stderr=asyncio.subprocess.PIPE,
                 env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                start_new_session=True,  # a terminal's Ctrl-C is for the daemon, which sleeps the worker in order
             )
         except OSError as exc:  # fork or exec refused: out of memory, processes, fds
             parent.close()
@@ -247,6 +257,11 @@ class Supervisor:
         try:
             outcome = await asyncio.wait_for(asyncio.shield(self._pending), timeout)
             report = outcome if isinstance(outcome, p.SleepReport) else None
+            if report is not None:  # what this sleep (idle, admin, evict, shutdown or a signal) kept on disk
+                saved = next((ph for ph in report.phases if ph.name == "kv_save"), None)
+                self.log.info("worker.kv_saved", pid=worker.pid, files=report.kv_saved_files,
+                              bytes=saved.bytes if saved else 0, errors=report.kv_save_errors,
+                              seconds=round(saved.seconds, 4) if saved else 0.0)
         except asyncio.TimeoutError:
             self.log.warning("worker.teardown_timeout", pid=worker.pid, timeout=timeout)
             worker.kill_reason = f"teardown took longer than {timeout:g}s"
@@ -335,6 +350,7 @@ class Supervisor:
                 message = await self._read(worker)
                 worker.last_heard = time.monotonic()
                 if isinstance(message, p.Pong):
+                    worker.step_seconds = message.step_seconds
                     continue
                 if isinstance(message, (p.Ready, p.Error, p.SleepReport, p.DozeReport)):
                     self._resolve(message)
@@ -353,10 +369,12 @@ class Supervisor:
             self.on_unexpected_exit(worker, worker.exit_reason())
 
     async def _watch_liveness(self, worker: Worker) -> None:
-        """Ping a serving worker; kill it when nothing has come back for liveness_timeout."""
+        """Ping a serving worker; kill it when nothing has come back for liveness_timeout, or
+        when its last Pong says one step has run longer than that (stuck, though answering)."""
         timeout = self.liveness_timeout
         interval = max(0.1, timeout / 4)
         seq = 0
+        worker.step_seconds = 0.0
         while worker.phase == "serving" and worker.proc.returncode is None:
             await asyncio.sleep(interval)
             if worker.phase != "serving":
@@ -366,6 +384,12 @@ class Supervisor:
                 self.log.error("worker.hung", pid=worker.pid, silent_seconds=round(silent, 3), timeout=timeout)
                 worker.kill_reason = f"it answered no ping for {timeout:g}s: hung (worker_liveness_timeout)"
                 worker.proc.kill()  # SIGKILL ends a stopped process too; EOF reports the exit
+                return
+            if worker.step_seconds > timeout:
+                self.log.error("worker.hung", pid=worker.pid, step_seconds=round(worker.step_seconds, 3), timeout=timeout)
+                worker.kill_reason = (f"one step ran {worker.step_seconds:.0f}s, longer than {timeout:g}s: "
+                                      "hung (worker_liveness_timeout)")
+                worker.proc.kill()
                 return
             seq += 1
             if not worker.writer.is_closing():

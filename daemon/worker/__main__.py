@@ -15,6 +15,7 @@ _t0 = time.perf_counter()
 import argparse  # noqa: E402
 import importlib  # noqa: E402
 import os  # noqa: E402
+import signal  # noqa: E402
 import socket  # noqa: E402
 import sys  # noqa: E402
 import threading  # noqa: E402
@@ -33,6 +34,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="engine modules to import before Hello, comma-separated (protocol.ENGINE_MODULES)")
     args = parser.parse_args(argv)
     os.dup2(2, 1)  # anything printed goes to the daemon's log, never into the protocol
+    ignore_terminal_signals()
 
     channel = Channel(socket.socket(fileno=args.fd))
     from daemon.worker.llama_lib import llama  # noqa: F401  (the libraries, no device yet)
@@ -92,6 +94,16 @@ def main(argv: list[str] | None = None) -> int:
                                devices_before=runtime.devices_before, devices_after=runtime.devices_after,
                                kv_saved_files=saved_files, kv_save_errors=save_errors))
     return EXIT_OK
+
+
+def ignore_terminal_signals() -> None:
+    """The daemon decides when this worker ends (Sleep, or EOF when the daemon is gone), never a
+    terminal: Ctrl-C, a hang-up or Ctrl-Z meant for `dormouse serve` would kill or stop the worker
+    mid-step and lose what a sleep saves. The supervisor also starts it in a session of its own,
+    so the terminal's signals do not reach it; this covers a worker started some other way.
+    SIGTERM and SIGKILL still end it (the supervisor's kill is SIGKILL)."""
+    for name in ("SIGINT", "SIGHUP", "SIGTSTP", "SIGTTIN", "SIGTTOU", "SIGQUIT"):
+        signal.signal(getattr(signal, name), signal.SIG_IGN)
 
 
 def import_engine_modules(names) -> None:
@@ -158,9 +170,7 @@ def doze(channel: Channel, runtime, engine) -> str:
             return "sleep"
         if isinstance(message, p.Rouse):
             return "rouse"
-        if isinstance(message, p.Ping):
-            channel.send(p.Pong(message.seq))
-        # Submit, Query and Cancel never come while drowsy: the daemon holds requests until Ready.
+        # (Pings are answered by the channel's thread.) Submit, Query and Cancel never come while drowsy: the daemon holds requests until Ready.
 
 
 def warm_up(runtime, engine) -> None:
@@ -180,27 +190,34 @@ def warm_up(runtime, engine) -> None:
 
 
 def serve(channel: Channel, engine) -> str:
-    """Until Sleep ("sleep"), EOF ("eof") or Doze ("doze"): take messages, run a step whenever there is work."""
+    """Until Sleep ("sleep"), EOF ("eof") or Doze ("doze"): take messages, run a step whenever there is work.
+
+    Each round (the messages waiting, then one engine step) is a step for the liveness
+    check: the channel thread answers pings with its age (channel.py), and the daemon
+    kills a worker whose step outlives worker_liveness_timeout. A step is bounded by
+    construction: one prompt chunk or one draft catch-up chunk (engine.step)."""
     while True:
         message = channel.receive(block=not engine.busy)
-        while message is not False:
-            if message is None or isinstance(message, p.Sleep):
-                return "eof" if message is None else "sleep"
-            if isinstance(message, p.Doze):
-                return "doze"
-            if isinstance(message, p.Submit):
-                engine.submit(message)
-            elif isinstance(message, p.Cancel):
-                engine.cancel(message.request_id)
-            elif isinstance(message, p.Query):
-                engine.query(message)
-            elif isinstance(message, p.Ping):
-                channel.send(p.Pong(message.seq))  # answered between steps: a stuck step goes unanswered
-            message = channel.receive(block=False)
-        if engine.busy:
-            engine.step()
-        else:
-            engine.report_slots()  # a cancel outside a step changed a slot
+        channel.step_begins()
+        try:
+            while message is not False:
+                if message is None or isinstance(message, p.Sleep):
+                    return "eof" if message is None else "sleep"
+                if isinstance(message, p.Doze):
+                    return "doze"
+                if isinstance(message, p.Submit):
+                    engine.submit(message)
+                elif isinstance(message, p.Cancel):
+                    engine.cancel(message.request_id)
+                elif isinstance(message, p.Query):
+                    engine.query(message)
+                message = channel.receive(block=False)
+            if engine.busy:
+                engine.step()
+            else:
+                engine.report_slots()  # a cancel outside a step changed a slot
+        finally:
+            channel.step_ends()  # also on the way out: a doze's or a sleep's save has its own bound
 
 
 if __name__ == "__main__":

@@ -25,8 +25,15 @@ from daemon.protocol import VERIFY_GROUP
 from daemon.worker.reuse import ReuseRule
 from daemon.worker.runtime import Runtime
 from daemon.worker.sampling import SamplerChain
-from daemon.worker.slot import Choices, Job, Slot, choose_slot, least_recently_used
+from daemon.worker.slot import Checkpoint, Choices, Job, Slot, choose_slot, least_recently_used
 from statemachine import SlotState
+
+
+def _kv():
+    """kv_cache (numpy), imported when a prompt cache first needs it."""
+    from daemon.worker import kv_cache
+
+    return kv_cache
 
 
 @dataclass
@@ -65,6 +72,8 @@ class Engine:
         )
         self._slots_changed = False
         self._prompt_turn = 0  # the slot whose prompt chunk goes first in the next step
+        self._draft_turn = 0  # ... and whose draft catch-up chunk (_draft_chunk)
+        self._draft_went_last = False  # the last step's chunk was the draft's: the prompts' turn
         self.speculator = None
         if runtime.draft_ctx is not None:
             from daemon.worker.speculative import Speculator
@@ -360,14 +369,16 @@ class Engine:
                 continue
             restored = (0, 0.0, "", None, "")
             if msg.cache_prompt:
-                slot = choose_slot(idle, tokens, lambda s: self.keepable(s, tokens))
+                scope = msg.cache_scope  # a slot holding another scope's prompt keeps nothing for this one
+                slot = choose_slot(idle, tokens, lambda s: self.keepable(s, tokens, scope))
                 if self.saved is not None:  # the best of RAM and disk, when it beats the slot; the slot's prefix kept
-                    restored = self.saved.before_assign(slot, tokens, self.keepable(slot, tokens))
+                    restored = self.saved.before_assign(slot, tokens, self.keepable(slot, tokens, scope), scope)
+                self._assign(slot, msg, tokens, sampler, *self.reuse_plan(slot, tokens, scope))
             else:  # the client asked for a fresh read: the least recently used slot, nothing kept
                 slot = min(idle, key=least_recently_used)
                 if self.saved is not None:
                     self.saved.stash(slot, 0)  # what it held still serves its own conversation later
-            self._assign(slot, msg, tokens, sampler, self.keepable(slot, tokens) if msg.cache_prompt else 0)
+                self._assign(slot, msg, tokens, sampler, 0)
             job = slot.job
             if msg.n > 1:  # the other choices' slots wait, least recently used first, for the prompt's KV
                 others = sorted((s for s in idle if s is not slot), key=least_recently_used)[:msg.n - 1]
@@ -406,6 +417,7 @@ class Engine:
             llama.llama_memory_seq_rm(self.memory, other.id, -1, -1)
             llama.llama_memory_seq_cp(self.memory, slot.id, other.id, -1, -1)
             other.cache, other.exact = list(slot.cache), slot.exact  # the same cells: nothing to trim
+            other.scope, other.checkpoints = slot.scope, list(slot.checkpoints)
             params = job.params if job.params.seed is None else msgspec.structs.replace(
                 job.params, seed=(job.params.seed + i) % 2**32)  # a set seed still gives n different choices
             sampler = SamplerChain(params, self.n_vocab, self.n_ctx_slot, self.vocab, grammar_of=job.sampler)
@@ -427,6 +439,7 @@ class Engine:
 
         llama.llama_memory_seq_rm(self.memory, slot.id, -1, -1)
         slot.truncate(0)
+        slot.scope = msg.cache_scope
         if self.speculator is not None:
             self.speculator.forget(slot)
         try:
@@ -445,25 +458,57 @@ class Engine:
         self._slots_changed = True
         self._on_logits(slot, -1)  # mtmd left the last position's logits
 
-    def keepable(self, slot: Slot, tokens: list[int]) -> int:
-        """How many of `tokens` the slot may keep (reuse.ReuseRule: the one rule)."""
+    def keepable(self, slot: Slot, tokens: list[int], scope: str = "") -> int:
+        """How many of `tokens` (a prompt of cache `scope`) the slot may keep (reuse.ReuseRule: the one rule)."""
+        return self.reuse_plan(slot, tokens, scope)[0]
+
+    def reuse_plan(self, slot: Slot, tokens: list[int], scope: str = "") -> tuple[int, Checkpoint | None]:
+        """(tokens the slot may keep, the slot's checkpoint to put back first, or
+        None). Nothing across cache scopes. A window that moved on (a state
+        restored, then extended) is cut back through a checkpoint, each judged
+        by the same rule as a saved state of its length."""
+        if slot.scope != scope:
+            return 0, None
         shared = slot.common_prefix(tokens)
         if shared == 0:
-            return 0
-        return self.reuse.keepable(shared, len(tokens), slot.exact,
+            return 0, None
+        keep = self.reuse.keepable(shared, len(tokens), slot.exact,
                                    llama.llama_memory_seq_pos_min(self.memory, slot.id), len(slot.cache))
+        best = None
+        if self.reuse.checkpoints:
+            for checkpoint in reversed(slot.checkpoints):
+                if checkpoint.n <= keep:
+                    break
+                n = checkpoint.n
+                k = self.reuse.keepable(min(shared, n), len(tokens), 0, self.reuse.lowest_saved(n), n)
+                if k > keep:
+                    keep, best = k, checkpoint
+        return keep, best
 
-    def _assign(self, slot: Slot, msg: p.Submit, tokens: list[int], sampler: SamplerChain, reuse: int) -> None:
+    def _assign(self, slot: Slot, msg: p.Submit, tokens: list[int], sampler: SamplerChain, reuse: int,
+                checkpoint: Checkpoint | None = None) -> None:
+        if checkpoint is not None and not _kv().restore_checkpoint(self.ctx, slot, checkpoint):
+            reuse = 0  # llama.cpp refused the window: a fresh read (the slot is empty now)
         if reuse < len(slot.cache) and not llama.llama_memory_seq_rm(self.memory, slot.id, reuse, -1):
             reuse = 0  # partial removal refused (a recurrent model): start over
         if reuse == 0:
             llama.llama_memory_seq_rm(self.memory, slot.id, -1, -1)
         slot.truncate(reuse)
+        slot.scope = msg.cache_scope
+        if self.saved is not None and self.reuse.checkpoints and self.saved.min_tokens <= reuse < len(tokens) - 1 \
+                and not any(c.n == reuse for c in slot.checkpoints):
+            self._checkpoint(slot)  # a turn boundary: where this prompt leaves what the slot held
         slot.job = Job(msg.request_id, tokens, msg.params, sampler, n_prompt_done=reuse, n_cached=reuse,
                        exact_from=slot.exact)
         slot.last_used = time.monotonic()
         slot.move(SlotState.STARTED)
         self._slots_changed = True
+
+    def _checkpoint(self, slot: Slot) -> None:
+        """Keep the slot's window as it stands (prompt cache checkpoints: see kv_cache.take_checkpoint)."""
+        checkpoint = _kv().take_checkpoint(self.ctx, slot)
+        if checkpoint is not None:
+            slot.add_checkpoint(checkpoint)
 
     # -- one step -------------------------------------------------------------
 
@@ -497,6 +542,8 @@ class Engine:
                 slot.move(SlotState.PROCESSING_PROMPT)
                 self._slots_changed = True
         prompting = [s for s in self.slots if s.state is SlotState.PROCESSING_PROMPT]
+        if self.speculator is not None and self._draft_chunk(bool(prompting)):
+            prompting = []  # this step's one chunk was the draft's (it and the prompts take turns)
         if prompting:
             # One prompt chunk per step, the slots taking turns: a step stays one
             # chunk long whatever the number of prompts, so the generating slots
@@ -509,7 +556,12 @@ class Engine:
             job.n_prompt_done = end
             # Before the decode: its last logits may fork n choices, which copy `exact`; a failed decode zeroes it.
             slot.exact = self.reuse.exact_after_read(job.n_cached, job.exact_from, end)
-            self._decode(entries)
+            if self._decode(entries) and self.saved is not None and self.reuse.checkpoints \
+                    and len(slot.cache) == end >= self.saved.min_tokens:
+                last = slot.checkpoints[-1].n if slot.checkpoints else 0
+                every = self.rt.spec.cache_checkpoint_every
+                if end == len(job.prompt) or every > 0 and end - last >= every:
+                    self._checkpoint(slot)  # a prompt's end (a regenerate comes back here), or every N tokens
         self.report_slots()
 
     def _speculate(self, slot: Slot) -> None:
@@ -541,6 +593,20 @@ class Engine:
                     slot.truncate(rejected_from)
                 return
             i += len(group)
+
+    def _draft_chunk(self, prompts_wait: bool) -> bool:
+        """The draft's catch-up: one chunk of one lagging slot's history (speculative.py), in
+        turn with the prompt chunks when both wait, so no step reads more than one chunk.
+        Until its draft is within a chunk, a slot generates without drafts. True if it read."""
+        sp = self.speculator
+        lagging = [s for s in self.slots if s.job is not None and sp.lags(s, s.cache)]
+        if not lagging or (prompts_wait and self._draft_went_last):
+            self._draft_went_last = False
+            return False
+        slot = min(lagging, key=lambda s: (s.id - self._draft_turn) % len(self.slots))
+        self._draft_turn = slot.id + 1
+        self._draft_went_last = sp.catch_up(slot, slot.cache) > 0
+        return self._draft_went_last
 
     def _decode(self, entries: list[tuple[Slot, int, bool]], handle_logits: bool = True) -> bool:
         """Decode (slot, token, wants logits) entries as one batch and handle the logits."""

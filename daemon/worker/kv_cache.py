@@ -19,9 +19,12 @@ import numpy as np
 from daemon import protocol as p
 from daemon.model.kv_files import (FORMAT_VERSION, KvEntry, KvFileError, KvHeader, KvIndex, model_fingerprint,
                                    read_header, read_state, write_file)
+from daemon.worker import prompt_blocks as blocks
 from daemon.worker.llama_lib import llama
 from daemon.worker.reuse import ReuseRule
-from daemon.worker.slot import Slot, common_prefix
+from daemon.worker.slot import Checkpoint, Slot, common_prefix
+
+PARTIAL = llama.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY  # the window caches (or recurrent state) alone
 
 
 def context_layout(ctx: ctypes.c_void_p, model: ctypes.c_void_p, rule: ReuseRule) -> dict[str, object]:
@@ -41,8 +44,8 @@ def context_layout(ctx: ctypes.c_void_p, model: ctypes.c_void_p, rule: ReuseRule
     }
 
 
-def best_entry(rule: ReuseRule, entries, tokens: list[int]):
-    """Of `entries` (each with .tokens), the one that would keep the most of
+def best_entry(rule: ReuseRule, entries, tokens: list[int], scope: str = ""):
+    """Of `entries` (each with .tokens and .scope), those of `scope` only, the one that would keep the most of
     `tokens`, and how many. A saved state holds only the last window of
     sliding-window layers (or a recurrent snapshot), so an entry can be
     trimmed only as far as that allows (ReuseRule). Longest first, and an
@@ -51,7 +54,7 @@ def best_entry(rule: ReuseRule, entries, tokens: list[int]):
     best, most = None, 0
     for entry in sorted(entries, key=lambda e: len(e.tokens), reverse=True):
         n = len(entry.tokens)
-        if min(n, len(tokens) - 1) <= most:
+        if min(n, len(tokens) - 1) <= most or entry.scope != scope:
             continue
         lowest = rule.lowest_saved(n)
         if tokens[:n] == entry.tokens:  # the usual case, compared in C
@@ -64,6 +67,32 @@ def best_entry(rule: ReuseRule, entries, tokens: list[int]):
         if keep > most:
             best, most = entry, keep
     return best, most
+
+
+def best_indexed(rule: ReuseRule, index, tokens: list[int], scope: str = ""):
+    """best_entry through a kv_files.PrefixIndex: the entries that share a
+    prefix with `tokens` in `scope` are found by block keys, so the cost
+    follows the prompt's blocks, not the entries held."""
+    best, most = None, 0
+    for entry, shared in index.candidates(tokens, scope):
+        n = len(entry.tokens)
+        if min(n, len(tokens) - 1) <= most or entry.scope != scope:
+            continue
+        lowest = rule.lowest_saved(n)
+        if lowest > 0 and shared < n - 1:
+            continue  # a window or a snapshot: its own length, or the regenerate of it
+        keep = rule.keepable(shared, len(tokens), exact=n if lowest == 0 else 0, pos_min=lowest, n_held=n)
+        if keep > most:
+            best, most = entry, keep
+    return best, most
+
+
+def held_by(rule: ReuseRule, index, tokens: list[int], scope: str = "") -> bool:
+    """An entry of `index` restores these tokens: their own, or a longer one that can be cut back to them."""
+    if index.exact(tokens, scope) is not None:
+        return True
+    return any(shared >= len(tokens) and len(e.tokens) > len(tokens) and rule.replaces(len(e.tokens))
+               for e, shared in index.candidates(tokens, scope))
 
 
 def load_state(ctx: ctypes.c_void_p, rule: ReuseRule, slot: Slot, tokens: list[int], state) -> bool:
@@ -82,8 +111,10 @@ def load_state(ctx: ctypes.c_void_p, rule: ReuseRule, slot: Slot, tokens: list[i
         llama.llama_memory_seq_rm(memory, slot.id, -1, -1)
         slot.cache.clear()
         slot.exact = 0
+        slot.checkpoints = []
         return False
     slot.cache[:] = tokens
+    slot.checkpoints = []
     # Exact (the layout says they were saved so) only where every position from 0 sits in its own cell.
     whole = llama.llama_memory_seq_pos_min(memory, slot.id) == 0
     slot.exact = len(tokens) if rule.deterministic and whole else 0
@@ -124,6 +155,42 @@ def slot_state(ctx: ctypes.c_void_p, rule: ReuseRule, slot: Slot, min_tokens: in
     return tokens, state[:got]
 
 
+def take_checkpoint(ctx: ctypes.c_void_p, slot: Slot) -> Checkpoint | None:
+    """The slot's window as it stands (its cache's length now), or None."""
+    size = llama.llama_state_seq_get_size_ext(ctx, slot.id, PARTIAL)
+    if size <= 8:
+        return None
+    state = np.empty(size, np.uint8)
+    got = llama.llama_state_seq_get_data_ext(ctx, state.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8)), size,
+                                             slot.id, PARTIAL)
+    if got <= 8:
+        return None
+    return Checkpoint(len(slot.cache), state[:got])
+
+
+def restore_checkpoint(ctx: ctypes.c_void_p, slot: Slot, checkpoint: Checkpoint) -> bool:
+    """Cut the slot back to the checkpoint's length and put its window back.
+    The full-attention cells of those positions are the slot's own (a
+    checkpoint is only kept while the slot holds its tokens). False, the
+    slot left empty, when llama.cpp refused it."""
+    memory = llama.llama_get_memory(ctx)
+    n = checkpoint.n
+    if n > len(slot.cache) or n < len(slot.cache) and not llama.llama_memory_seq_rm(memory, slot.id, n, -1):
+        llama.llama_memory_seq_rm(memory, slot.id, -1, -1)
+        slot.truncate(0)
+        return False
+    slot.truncate(n)
+    state = checkpoint.state
+    loaded = llama.llama_state_seq_set_data_ext(ctx, state.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8)), len(state),
+                                                slot.id, PARTIAL)
+    if loaded == 0 or llama.llama_memory_seq_pos_max(memory, slot.id) != n - 1:
+        llama.llama_memory_seq_rm(memory, slot.id, -1, -1)
+        slot.truncate(0)
+        return False
+    slot.exact = 0  # a restored window sits in other cells than a fresh read's
+    return True
+
+
 class SavedPrompts:
     """The disk tier: files of daemon/model/kv_files.py, one per entry. The
     writer thread adds files while the decode thread looks them up: the lock
@@ -136,18 +203,21 @@ class SavedPrompts:
         self.budget = spec.kv_disk_bytes
         self.lock = threading.Lock()
         self.index = KvIndex.scan(Path(spec.kv_dir), model_fingerprint(spec.model), context_layout(ctx, model, rule))
+        self.index.cut_back = rule.replaces
         self.rejected_at_load = dict(self.index.rejected)
         self.evicted = 0  # files deleted to stay within the budget
+        self.n_stream = max(1, spec.parallel)  # one stream per slot (runtime.py: kv_unified off)
 
-    def best(self, tokens: list[int]) -> tuple[KvEntry | None, int]:
+    def best(self, tokens: list[int], scope: str = "") -> tuple[KvEntry | None, int]:
+        """The best file for `tokens` among those of `scope` (a kv_files.scope_id)."""
         with self.lock:
-            return best_entry(self.rule, list(self.index.entries), tokens)
+            return best_indexed(self.rule, self.index.prefix, tokens, scope)
 
-    def holds(self, tokens: list[int]) -> bool:
-        """A file already restores these tokens (or more of them)."""
+    def holds(self, tokens: list[int], scope: str = "") -> bool:
+        """A file of the scope (a kv_files.scope_id) already restores these tokens (or more of them,
+        where a longer state can be cut back)."""
         with self.lock:
-            return any(len(e.tokens) >= len(tokens) and e.tokens[:len(tokens)] == tokens
-                       for e in self.index.entries)
+            return held_by(self.rule, self.index.prefix, tokens, scope)
 
     def load(self, slot: Slot, entry: KvEntry) -> str | None:
         """Restore a file into the slot; None, or why it failed (the file is forgotten, or deleted as untrusted)."""
@@ -159,7 +229,7 @@ class SavedPrompts:
         except KvFileError as exc:
             self._reject(entry, exc.reason)
             return exc.reason
-        if not load_state(self.ctx, self.rule, slot, entry.tokens, state):
+        if not load_state(self.ctx, self.rule, slot, entry.tokens, blocks.restreamed(state, self.n_stream)):
             self._reject(entry, "corrupt")
             return "corrupt"
         try:
@@ -169,16 +239,17 @@ class SavedPrompts:
             pass
         return None
 
-    def write(self, tokens: list[int], state) -> int:
+    def write(self, tokens: list[int], state, scope: str = "") -> int:
         """Write one entry (sealed, atomically); the bytes written, 0 when it was
         already held or cannot fit. Raises OSError or KvFileError."""
-        if len(state) > self.budget or self.holds(tokens):
+        if len(state) > self.budget or self.holds(tokens, scope):
             return 0
-        header = KvHeader(FORMAT_VERSION, self.index.model, self.index.layout, tokens, len(state), "")
+        header = KvHeader(FORMAT_VERSION, self.index.model, self.index.layout, tokens, len(state), "", scope=scope)
         path = write_file(self.index.directory, header, memoryview(state))  # seals header and state together
         _, offset = read_header(path)
         with self.lock:
-            self.index.add(path, tokens, header.state_bytes, offset)
+            self.index.add(path, tokens, header.state_bytes, offset, scope=header.scope,
+                           supersede=self.rule.replaces(len(tokens)))
             self.evicted += self.index.keep_within(self.budget)
         return path.stat().st_size if path.exists() else 0
 
@@ -188,7 +259,7 @@ class SavedPrompts:
 
     def _forget(self, entry: KvEntry) -> None:
         with self.lock:
-            self.index.entries = [e for e in self.index.entries if e is not entry]
+            self.index.forget(entry)
 
     def _reject(self, entry: KvEntry, reason: str) -> None:
         try:

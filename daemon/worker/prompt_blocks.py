@@ -79,6 +79,13 @@ class Cells:
         return Cells(self.n_stream, self.stream, self.layers, self.meta[lo:hi].copy(),
                      [k[lo:hi].copy() for k in self.k], vs)
 
+    def head(self, n: int) -> "Cells":
+        """The first n cells, as views (no copy): a checkpoint's cut of a shared block, joined at once."""
+        if n >= len(self.meta):
+            return self
+        vs = [v[:, :n] for v in self.v] if self.layers.v_trans else [v[:n] for v in self.v]
+        return Cells(self.n_stream, self.stream, self.layers, self.meta[:n], [k[:n] for k in self.k], vs)
+
     @property
     def nbytes(self) -> int:
         return self.meta.nbytes + sum(a.nbytes for a in self.k) + sum(a.nbytes for a in self.v)
@@ -219,6 +226,31 @@ def join_into(out: np.ndarray, caches: list[list[Cells] | bytes]) -> int:
         for s in range(first.stream + 1, first.n_stream):
             put(_U32.pack(0))
     return at
+
+
+def restreamed(state, n_stream: int):
+    """The state for a context of `n_stream` streams (one per slot: another
+    --parallel, the same context per slot). A sequence's cells are in one
+    stream and llama.cpp puts them in the stream of the sequence it restores
+    into, but it refuses a state whose stream count differs. The state
+    itself when it already matches or is not a layout this parser knows."""
+    try:
+        parsed = parse(state)
+    except UnknownLayout:
+        return state
+    if all(isinstance(c, bytes) or c.n_stream == n_stream for c in parsed.caches):
+        if all(not isinstance(c, bytes) or _U32.unpack_from(c, 0)[0] == n_stream for c in parsed.caches):
+            return state
+    caches: list = []
+    for cache in parsed.caches:
+        if isinstance(cache, bytes):  # a cache with no cells: its stream count, then a zero count per stream
+            caches.append(_U32.pack(n_stream) + bytes(4 * n_stream))
+        else:
+            caches.append([Cells(n_stream, 0, cache.layers, cache.meta, cache.k, cache.v)])
+    out = np.empty(8 + state_size(caches), np.uint8)
+    out[:8] = np.frombuffer(parsed.prefix, np.uint8)
+    join_into(out[8:], caches)
+    return out
 
 
 def state_size(caches: list[list[Cells] | bytes]) -> int:

@@ -9,8 +9,21 @@ The RAM tier stores entries by block (prompt_blocks.py): the positions of a
 full-attention cache in blocks keyed by a chained hash of their tokens, so a
 prefix that several entries share (a system prompt, a conversation's earlier
 turns) is held once; a window cache stays with its entry. An entry whose
-tokens are a prefix of a new one is dropped (the new one restores all it
-did). Least recently used entries go first when the tier is over budget.
+tokens are a prefix of a new one is dropped when the new one restores all it
+did (full attention); a window state cannot be cut back, so there the
+shorter entry stays. Least recently used entries go first when the tier is
+over budget.
+
+Checkpoints (issue 26): on a model with sliding-window layers a slot keeps
+its window (kv_cache.take_checkpoint: llama_state_seq_get_data_ext with
+LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY) at each prompt's end before generation,
+where a prompt begins to differ from what the slot held (a turn boundary),
+and every `cache_checkpoint_every` prompt tokens. When the slot's prefix
+comes here, each checkpoint past what the slot keeps becomes an entry of its
+own: the full-attention blocks of the slot's entry up to its length (shared,
+the last block cut as it is joined) and its window, its only own bytes; the
+writer gives it a file. Every tier is looked up through a PrefixIndex
+(kv_files) and only within the request's cache scope.
 
 Every entry is also written to the disk tier (kv_cache.SavedPrompts: the
 sealed files of daemon/model/kv_files.py, kept within `kv_cache_disk_bytes`)
@@ -35,7 +48,8 @@ import numpy as np
 
 from daemon import protocol as p
 from daemon.worker import prompt_blocks as blocks
-from daemon.worker.kv_cache import SavedPrompts, best_entry, load_state, slot_state
+from daemon.model.kv_files import PrefixIndex, scope_id
+from daemon.worker.kv_cache import SavedPrompts, best_indexed, held_by, load_state, slot_state
 from daemon.worker.llama_lib import llama
 from daemon.worker.reuse import ReuseRule
 from daemon.worker.slot import Slot
@@ -51,6 +65,7 @@ class Entry:
     parts: list  # the state's prefix bytes, then per cache: block keys (list[bytes]), or owned Cells / bytes
     own_bytes: int  # bytes no other entry shares (the window cache, a state kept whole)
     state_bytes: int  # the state's size once joined
+    scope: str = ""  # kv_files.scope_id() of the cache scope that wrote it
 
 
 @dataclass
@@ -63,6 +78,8 @@ class Counts:
     writes_skipped: int = 0
     written_bytes: int = 0
     files_written: int = 0
+    checkpoints: int = 0  # window checkpoints put in the RAM tier
+    checkpoint_bytes: int = 0  # their own bytes (the window), the full-attention blocks being shared
 
 
 class RamTier:
@@ -73,16 +90,22 @@ class RamTier:
         self.rule = rule
         self.entries: OrderedDict[int, Entry] = OrderedDict()  # id(entry) -> entry, least recently used first
         self.store: dict[bytes, list] = {}  # block key -> [Cells, entries using it]
+        self.index = PrefixIndex()  # the entries by chained block keys: a lookup never scans them
         self.bytes = 0
         self.evictions = 0
 
-    def best(self, tokens: list[int]) -> tuple[Entry | None, int]:
-        return best_entry(self.rule, self.entries.values(), tokens)
+    def best(self, tokens: list[int], scope: str = "") -> tuple[Entry | None, int]:
+        return best_indexed(self.rule, self.index, tokens, scope)
 
-    def holds(self, tokens: list[int]) -> bool:
-        return any(len(e.tokens) >= len(tokens) and e.tokens[:len(tokens)] == tokens for e in self.entries.values())
+    def find(self, tokens: list[int], scope: str = "") -> Entry | None:
+        """The entry of exactly these tokens in this scope."""
+        return self.index.exact(tokens, scope)
 
-    def put(self, tokens: list[int], state: np.ndarray) -> Entry | None:
+    def holds(self, tokens: list[int], scope: str = "") -> bool:
+        """An entry restores these tokens: their own, or a longer one that can be cut back to them."""
+        return held_by(self.rule, self.index, tokens, scope)
+
+    def put(self, tokens: list[int], state: np.ndarray, scope: str = "") -> Entry | None:
         """Store a state; the entry, or None when it cannot fit at all."""
         if len(state) > self.budget:
             return None
@@ -94,10 +117,16 @@ class RamTier:
             entry = Entry(list(tokens), [state.copy()], len(state), len(state))
         else:
             entry = self._blocked(tokens, parsed, len(state))
-        for old in [e for e in self.entries.values()
-                    if len(e.tokens) < len(tokens) and tokens[:len(e.tokens)] == e.tokens]:
-            self._drop(old)  # superseded: the new entry restores all it did
+        entry.scope = scope
+        if self.rule.replaces(len(tokens)):  # a window state does not serve its prefixes: they stay (checkpoints)
+            for old, shared in self.index.candidates(tokens, scope):
+                if shared == len(old.tokens) < len(tokens) and id(old) in self.entries:
+                    self._drop(old)  # superseded: the new entry restores all it did
+        return self._admit(entry)
+
+    def _admit(self, entry: Entry) -> Entry | None:
         self.entries[id(entry)] = entry
+        self.index.add(entry, self.rule.replaces(len(entry.tokens)))
         self.bytes += entry.own_bytes
         while self.bytes > self.budget and self.entries:
             oldest = next(iter(self.entries.values()))
@@ -106,6 +135,28 @@ class RamTier:
             if oldest is entry:
                 return None
         return entry
+
+    def put_checkpoint(self, base: Entry, n: int, window: np.ndarray) -> Entry | None:
+        """A checkpoint of `base`'s sequence at n tokens (kv_cache.take_checkpoint's
+        window when it held them): the full-attention blocks of `base` up to n,
+        shared (the last one cut at n as it is joined), and the window, its own
+        bytes. None when `base` is not stored by block or it is held already."""
+        tokens = base.tokens[:n]
+        if n <= 0 or n > len(base.tokens) or len(base.parts) != 3 or not isinstance(base.parts[1], list) \
+                or self.find(tokens, base.scope) is not None or len(window) <= 8:
+            return None
+        n_blocks = -(-n // blocks.BLOCK)
+        keys: list = list(base.parts[1][:n_blocks])
+        cut = n - (n_blocks - 1) * blocks.BLOCK
+        last = keys[-1]
+        if len(self.store[last][0].meta) > cut:
+            keys[-1] = (last, cut)
+        for key in keys:
+            self.store[key if isinstance(key, bytes) else key[0]][1] += 1
+        raw = bytes(memoryview(window)[8:])
+        entry = Entry(tokens, [base.parts[0], keys, raw], len(base.parts[0]) + len(raw), 0, base.scope)
+        entry.state_bytes = blocks.state_size(self.caches(entry))
+        return self._admit(entry)
 
     def _blocked(self, tokens: list[int], parsed: blocks.Parsed, size: int) -> Entry:
         parts: list = [parsed.prefix]
@@ -130,14 +181,15 @@ class RamTier:
 
     def _drop(self, entry: Entry) -> None:
         del self.entries[id(entry)]
+        self.index.remove(entry)
         self.bytes -= entry.own_bytes
         for part in entry.parts[1:]:
             if isinstance(part, list):
                 for key in part:
-                    held = self.store[key]
+                    held = self.store[key if isinstance(key, bytes) else key[0]]
                     held[1] -= 1
                     if held[1] == 0:
-                        del self.store[key]
+                        del self.store[key if isinstance(key, bytes) else key[0]]
                         self.bytes -= held[0].nbytes
 
     def caches(self, entry: Entry) -> list:
@@ -145,8 +197,9 @@ class RamTier:
         writer holding this list keeps them alive whatever the tier drops)."""
         out = []
         for part in entry.parts:
-            if isinstance(part, list):
-                out.append([self.store[key][0] for key in part])
+            if isinstance(part, list):  # a key, or (key, n): the block's first n positions (a checkpoint's cut)
+                out.append([self.store[key][0] if isinstance(key, bytes) else self.store[key[0]][0].head(key[1])
+                            for key in part])
             elif isinstance(part, blocks.Cells):
                 out.append([part])
             else:
@@ -218,22 +271,25 @@ class PromptCache:
 
     # -- before a slot is given to a prompt ---------------------------------------
 
-    def before_assign(self, slot: Slot, tokens: list[int], live: int) -> tuple[int, float, str, str | None, str]:
-        """Restore the best entry of RAM or disk into `slot` when it keeps more
-        than the `live` tokens the slot may keep, having stashed what the slot
-        held if it would be lost. Returns (tokens restored, seconds, lookup,
-        rejected reason, tier); lookup is "hit", "miss", or "" (not looked)."""
+    def before_assign(self, slot: Slot, tokens: list[int], live: int,
+                      scope: str = "") -> tuple[int, float, str, str | None, str]:
+        """Restore the best entry of RAM or disk of the prompt's cache `scope`
+        into `slot` when it keeps more than the `live` tokens the slot may
+        keep, having stashed what the slot held if it would be lost. Returns
+        (tokens restored, seconds, lookup, rejected reason, tier); lookup is
+        "hit", "miss", or "" (not looked)."""
         start = time.perf_counter()
+        name, scope = scope, scope_id(scope)
         # A restore must keep at least what is worth an entry (kv_min_tokens): not a whole state
         # read and loaded to keep the BOS token or a template header that a fresh read gets at once.
         found, keep, tier = None, max(live, self.min_tokens - 1), ""
         if len(tokens) >= self.min_tokens:
             if self.ram is not None:
-                entry, n = self.ram.best(tokens)
+                entry, n = self.ram.best(tokens, scope)
                 if entry is not None and n > keep:
                     found, keep, tier = entry, n, "ram"
             if self.disk is not None:
-                entry, n = self.disk.best(tokens)
+                entry, n = self.disk.best(tokens, scope)
                 if entry is not None and n > keep:
                     found, keep, tier = entry, n, "disk"
         if found is None:
@@ -247,6 +303,7 @@ class PromptCache:
         if rejected is not None or not slot.cache:
             self.counts.misses += 1
             return 0, time.perf_counter() - start, "miss", rejected, ""
+        slot.scope = name  # the entry was this scope's
         return len(slot.cache), time.perf_counter() - start, "hit", None, tier
 
     def counted(self, tier: str, restored: int) -> None:
@@ -284,7 +341,11 @@ class PromptCache:
         if self.rule.deterministic and keep > self.rule.savable(slot.exact):
             return  # saving would cut cells the next prompt keeps
         tokens = slot.cache[:slot.cache.index(-1)] if -1 in slot.cache else slot.cache
-        if self.ram is not None and self.ram.holds(tokens):
+        scope = scope_id(slot.scope)
+        if self.ram is not None and self.ram.holds(tokens, scope):
+            base = self.ram.find(tokens, scope)
+            if base is not None:
+                self._stash_checkpoints(slot, base, keep)
             return
         start = time.perf_counter()
         if self.ram is not None and len(self._taken) < self.ram.budget:  # the size of a slot's state at most
@@ -295,15 +356,32 @@ class PromptCache:
         if taken is None:
             return
         tokens, state = taken  # a view of self._taken when it was large enough: copied before it is kept
-        entry = self.ram.put(tokens, state) if self.ram is not None else None
+        entry = self.ram.put(tokens, state, scope) if self.ram is not None else None
         self._time("ram_save", len(state), start)
         if entry is not None:
             self.counts.evictions["ram"] = self.ram.evictions
-            self._queue(tokens, self.ram.caches(entry))
+            self._queue(tokens, self.ram.caches(entry), scope)
+            self._stash_checkpoints(slot, entry, keep)
         else:  # too large for RAM, or no RAM tier: straight to disk, in a buffer of its own
             if self.ram is not None:
                 self.counts.evictions["ram"] = self.ram.evictions
-            self._queue(tokens, [state.copy() if np.may_share_memory(state, self._taken) else state])
+            self._queue(tokens, [state.copy() if np.may_share_memory(state, self._taken) else state], scope)
+
+    def _stash_checkpoints(self, slot: Slot, base: Entry, keep: int) -> None:
+        """The slot's checkpoints past `keep` (those the slot is about to lose) to
+        RAM, beside `base` (the slot's whole prefix, stored by block): each
+        adds its window bytes only; and to the writer, for disk."""
+        if self.ram is None or base.tokens != slot.cache[:len(base.tokens)] or base.scope != scope_id(slot.scope) \
+                or self.rule.replaces(len(base.tokens)):
+            return  # (a state that holds its whole window can be cut back to any checkpoint's length itself)
+        for checkpoint in slot.checkpoints:
+            if keep < checkpoint.n < len(base.tokens) and checkpoint.n >= self.min_tokens:
+                entry = self.ram.put_checkpoint(base, checkpoint.n, checkpoint.state)
+                self.counts.evictions["ram"] = self.ram.evictions
+                if entry is not None:
+                    self.counts.checkpoints += 1
+                    self.counts.checkpoint_bytes += entry.own_bytes
+                    self._queue(entry.tokens, self.ram.caches(entry), entry.scope)
 
     def shrink(self, budget: int) -> int:
         """Lower the RAM tier's budget (the fleet, before it evicts a model):
@@ -325,14 +403,14 @@ class PromptCache:
 
     # -- the disk writer ---------------------------------------------------------------
 
-    def _queue(self, tokens: list[int], caches: list, wait: bool = False) -> None:
+    def _queue(self, tokens: list[int], caches: list, scope: str = "", wait: bool = False) -> None:
         if self.disk is None:
             return
         if self.writer is None:
             self.writer = threading.Thread(target=self._write_loop, name="prompt-cache-writer", daemon=True)
             self.writer.start()
         try:
-            self.writes.put((list(tokens), caches), block=wait, timeout=FLUSH_SECONDS if wait else None)
+            self.writes.put((list(tokens), caches, scope), block=wait, timeout=FLUSH_SECONDS if wait else None)
         except queue.Full:
             self.counts.writes_skipped += 1  # the disk is slower than the turns: this one stays in RAM only
 
@@ -342,8 +420,8 @@ class PromptCache:
             try:
                 if item is None:
                     return
-                tokens, caches = item
-                written = self.disk.write(tokens, joined(caches))
+                tokens, caches, scope = item
+                written = self.disk.write(tokens, joined(caches), scope)
                 self.counts.written_bytes += written
                 self.counts.files_written += written > 0
             except Exception as exc:  # noqa: BLE001 - a full disk or a read-only directory: count, serve on
@@ -365,8 +443,8 @@ class PromptCache:
             self.stash(slot, 0)
         if self.disk is not None and self.ram is not None:
             for entry in list(self.ram.entries.values()):
-                if not self.disk.holds(entry.tokens):
-                    self._queue(entry.tokens, self.ram.caches(entry), wait=True)
+                if not self.disk.holds(entry.tokens, entry.scope):
+                    self._queue(entry.tokens, self.ram.caches(entry), entry.scope, wait=True)
         if self.writer is not None:
             try:
                 self.writes.put(None, timeout=FLUSH_SECONDS)
@@ -378,6 +456,7 @@ class PromptCache:
             self.writer = None
         if self.ram is not None:  # on disk now (or lost to a failing disk): a drowsy worker must not keep it
             self.ram.entries.clear()
+            self.ram.index.clear()
             self.ram.store.clear()
             self.ram.bytes = 0
         self._scratch = self._taken = np.empty(0, np.uint8)
@@ -397,6 +476,7 @@ class PromptCache:
         out["disk"].update({"write_errors": c.write_errors, "writes_skipped": c.writes_skipped,
                             "written_bytes": c.written_bytes})
         out["misses"] = {"count": c.misses}
+        out["ram"].update({"checkpoints": c.checkpoints, "checkpoint_bytes": c.checkpoint_bytes})
         for what, (size, seconds) in self.timings.items():
             tier = "ram" if what.startswith("ram") else "disk"
             out[tier][f"{what}_gbps"] = round(size / seconds / 1e9, 3) if seconds > 0 else 0.0

@@ -76,6 +76,7 @@ def slot_action(engine, msg: p.Query) -> p.Answer:
             engine._slots_changed = True
             raise RequestError(f"cannot restore {msg.text}: llama.cpp refused its state", "slot_file_error")
         slot.last_used = time.monotonic()
+        slot.scope = ""  # a named file is the operator's: it serves requests of the default scope
         engine._slots_changed = True
         return p.Answer(msg.request_id, tokens=[len(header.tokens), path.stat().st_size])
     raise RequestError(f"unknown query kind {msg.kind!r}")

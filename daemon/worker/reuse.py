@@ -76,6 +76,23 @@ class ReuseRule:
             return ((n - 1) // self.n_swa) * self.n_swa
         return max(0, n - self.n_swa)
 
+    def replaces(self, n: int) -> bool:
+        """Whether a saved state of n tokens may stand in for every shorter
+        entry that is a prefix of it: only when it can be cut back anywhere
+        (full attention, or a window that still holds position 0). A window
+        or recurrent state serves only its own length (and the regenerate
+        of it), so the shorter entry (a checkpoint) must be kept."""
+        return self.lowest_saved(n) == 0
+
+    @property
+    def checkpoints(self) -> bool:
+        """Whether the tiers keep checkpoints of the window: a model with
+        sliding-window layers, outside the deterministic mode (a restored
+        window lands in other cells than a fresh read's, so it is never
+        exact). Recurrent and hybrid models: not yet (their state cannot be
+        cut back in the live slot to where a checkpoint puts it)."""
+        return self.n_swa > 0 and not self.recurrent and not self.deterministic
+
     def savable(self, exact: int) -> int:
         """How many leading tokens the deterministic mode saves of a sequence
         with `exact` exact cells: a restore is exact only when it holds every

@@ -67,12 +67,28 @@ class Choices:
         self.open = self.n
 
 
+@dataclass
+class Checkpoint:
+    """The window (the sliding-window layers' cells) of a sequence when it held
+    `n` tokens: llama_state_seq_get_data_ext(..., LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY).
+    With the full-attention cells of the same n tokens it restores the
+    sequence at n, where a state saved later (whose window moved on) cannot."""
+
+    n: int
+    state: object  # uint8 numpy array: the state's 8-byte prefix, then the window cache
+
+
+MAX_CHECKPOINTS = 4  # per slot: the newest are kept (a prompt's end, the last turn boundary, every N before)
+
+
 class Slot:
     def __init__(self, seq_id: int) -> None:
         self.id = seq_id
         self.state = SlotState.IDLE
         self.cache: list[int] = []  # tokens whose K/V this sequence holds, in order
         self.exact = 0  # leading cells decoded in whole prompt chunks from 0, as a fresh read decodes them
+        self.scope = ""  # the cache scope (protocol.Submit.cache_scope) of the prompt whose cells it holds
+        self.checkpoints: list[Checkpoint] = []  # by n, ascending; each at most len(cache)
         self.job: Job | None = None
         self.reserved_for: Choices | None = None  # held for a choice that waits for its prompt's KV
         self.last_used = 0.0  # monotonic time its last request started; 0: never used
@@ -81,6 +97,12 @@ class Slot:
         """Forget the cells from position n on (the caller removed them from llama.cpp)."""
         del self.cache[n:]
         self.exact = min(self.exact, n)
+        if self.checkpoints and self.checkpoints[-1].n > n:
+            self.checkpoints = [c for c in self.checkpoints if c.n <= n]
+
+    def add_checkpoint(self, checkpoint: Checkpoint) -> None:
+        self.checkpoints = [c for c in self.checkpoints if c.n < checkpoint.n][-(MAX_CHECKPOINTS - 1):]
+        self.checkpoints.append(checkpoint)
 
     def move(self, new: SlotState) -> None:
         self.state = check_slot_transition(self.state, new)

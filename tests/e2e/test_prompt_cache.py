@@ -50,7 +50,7 @@ def test_a_long_conversation_resumes_after_sleep_with_the_same_answer(start_daem
     assert names[:2] == ["kv_save", "draft_context"]  # saved before the teardown begins
     kv_save = report["phases"][0]
     assert kv_save["freed_bytes"] > 0  # bytes written
-    assert d.props()["kv_cache"]["files"] == 1  # known to the daemon while asleep
+    assert d.props()["kv_cache"]["files"] >= 1  # known to the daemon while asleep (and the window's checkpoints)
 
     turn2 = turn1 + [{"role": "assistant", "content": answer1}, {"role": "user", "content": "And who buys it?"}]
     restored, usage2 = chat(d, turn2)
@@ -66,8 +66,8 @@ def test_a_long_conversation_resumes_after_sleep_with_the_same_answer(start_daem
     assert value(metrics, "dormouse_kv_cache_saved_bytes_total") >= kv_save["freed_bytes"]
 
     # The same turn with nothing saved: a full re-read gives the same greedy answer.
+    sleep(d)  # (saves this turn's prompt and its checkpoints: removed below, while the model sleeps)
     shutil.rmtree(kv_dir(d, state))
-    sleep(d)
     reread, usage3 = chat(d, turn2)
     assert usage3["prompt_tokens_details"]["cached_tokens"] == 0
     assert reread == restored

@@ -53,11 +53,16 @@ async def _serve_with_inherited(monkeypatch, address: str, **settings) -> int:
             asyncio.get_running_loop().remove_signal_handler(sig)
 
 
-async def test_socket_activation_off_loopback_without_admin_key_refuses_to_serve(monkeypatch, capsys):
+async def test_socket_activation_off_loopback_without_admin_key_refuses_to_serve(monkeypatch):
     """Bound to 0.0.0.0 by systemd (LISTEN_FDS), /sleep and /wake answered the network with no key."""
+    import io
+
+    from daemon.logs import configure_logging
+
+    log = io.StringIO()  # the log's own stream: structlog keeps whatever stream an earlier test gave it
+    configure_logging("json", "info", stream=log)
     assert await _serve_with_inherited(monkeypatch, "0.0.0.0") == 2
-    captured = capsys.readouterr()
-    assert "admin_key is required" in captured.out + captured.err
+    assert "admin_key is required" in log.getvalue()
 
 
 def test_the_admin_rule_is_judged_on_the_served_address():

@@ -191,13 +191,13 @@ class FailingDisk:
     def __init__(self, errno_: int, gate=None) -> None:
         self.errno, self.gate, self.calls, self.budget = errno_, gate, 0, 2**30
 
-    def holds(self, tokens) -> bool:
+    def holds(self, tokens, scope="") -> bool:
         return False
 
-    def best(self, tokens):
+    def best(self, tokens, scope=""):
         return None, 0
 
-    def write(self, tokens, state) -> int:
+    def write(self, tokens, state, scope="") -> int:
         self.calls += 1
         if self.gate is not None:
             self.gate.wait(30)
