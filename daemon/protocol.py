@@ -222,6 +222,7 @@ class Query(Message):
     chat_template_kwargs: dict[str, Any] = {}  # apply_template, count_chat: as Submit's
     add_generation_prompt: bool = True
     continue_final: bool = False
+    cache_scope: str = ""  # the caller's prompt-cache scope (as Submit's): slot_save and slot_restore honour it
 
 
 # -- worker -> daemon --------------------------------------------------------

@@ -118,13 +118,18 @@ async def props(request: web.Request) -> web.Response:
         "last_sleep": c.last_sleep,
         "last_memory_check": c.last_memory_check,
         **c.tier_props(),  # tier, sleep_tiers, wake_prediction, wake_history, keeper, last_doze
-        "kv_cache": {**c.kv_saved, "min_tokens": s.kv_cache_min_tokens, "disk_budget_bytes": s.kv_cache_disk_bytes,
+        "kv_cache": {**_saved(c.kv_saved, _hides_cache_counts(request)), "min_tokens": s.kv_cache_min_tokens, "disk_budget_bytes": s.kv_cache_disk_bytes,
                      "ram_budget_bytes": s.prompt_cache_ram_bytes,
                      # Per tier (slot, ram, disk) as the worker last said: hits, tokens, bytes, entries, evictions.
                      "tiers": c.metrics.prompt_cache if c.slots and not _hides_cache_counts(request) else {}},
         "fleet": {"budget_bytes": fleet.budget, "planned_bytes": fleet.planned_bytes(), "admission": fleet.admitting,
                   "models": [fleet.describe(m) for m in fleet.models.values()]},
     })
+
+
+def _saved(saved: dict, hide: bool) -> dict:
+    """The saved prompts' figures; without their lengths (every scope's) when cache counts are hidden."""
+    return {k: v for k, v in saved.items() if k != "prefixes"} if hide else saved
 
 
 def _hides_cache_counts(request: web.Request) -> bool:

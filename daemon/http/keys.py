@@ -40,13 +40,16 @@ class Listening:
     addresses: set[str] = field(default_factory=set)  # IP literals, normalised as Host is
     wildcard: bool = False  # 0.0.0.0 or ::: any IP address reaches it
     names: set[str] = field(default_factory=set)  # DNS names it may legitimately be called by
+    configured: set[str] = field(default_factory=set)  # the names among them that `host` gave (kept by serve())
 
     def serve(self, hosts: list[str], fqdn: str | None = None) -> None:
         """What the server really serves (its bound or inherited sockets), in place of what the settings said."""
         from config.settings import normalize_host
 
+        configured = set(self.configured)
         self.addresses.clear()
         self.names.clear()
+        self.names.update(configured)  # bound by a name (host = "dormouse.lan"): the sockets show its addresses only
         self.wildcard = False
         for host in hosts:
             self.bind(host)
@@ -64,6 +67,7 @@ class Listening:
             address = ipaddress.ip_address(shown)
         except ValueError:
             self.names.add(shown)
+            self.configured.add(shown)
             return
         if address.is_unspecified:
             self.wildcard = True

@@ -218,6 +218,7 @@ class Controller(SleepTiers):
         """One-step work on the loaded model (tokenize, detokenize,
         apply_template, count_chat, embed), answered by one Answer. It wakes the
         model and waits its turn like a generation: the state machine sees a request."""
+        fields.setdefault("cache_scope", request_cache_scope.get())
         return self._accept(Job(p.Query(_request_id(endpoint), kind, **fields), endpoint, keep_alive=keep_alive),
                             max_wait)
 

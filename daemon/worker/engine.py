@@ -494,6 +494,8 @@ class Engine:
         if reuse == 0:
             llama.llama_memory_seq_rm(self.memory, slot.id, -1, -1)
         slot.truncate(reuse)
+        if self.speculator is not None and slot.scope != msg.cache_scope:
+            self.speculator.forget(slot)  # the draft's copy is the other scope's: its reuse would show in timings
         slot.scope = msg.cache_scope
         if self.saved is not None and self.reuse.checkpoints and self.saved.min_tokens <= reuse < len(tokens) - 1 \
                 and not any(c.n == reuse for c in slot.checkpoints):

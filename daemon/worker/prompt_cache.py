@@ -116,7 +116,7 @@ class RamTier:
         if parsed is None:
             entry = Entry(list(tokens), [state.copy()], len(state), len(state))
         else:
-            entry = self._blocked(tokens, parsed, len(state))
+            entry = self._blocked(tokens, parsed, len(state), scope)
         entry.scope = scope
         if self.rule.replaces(len(tokens)):  # a window state does not serve its prefixes: they stay (checkpoints)
             for old, shared in self.index.candidates(tokens, scope):
@@ -158,7 +158,7 @@ class RamTier:
         entry.state_bytes = blocks.state_size(self.caches(entry))
         return self._admit(entry)
 
-    def _blocked(self, tokens: list[int], parsed: blocks.Parsed, size: int) -> Entry:
+    def _blocked(self, tokens: list[int], parsed: blocks.Parsed, size: int, scope: str = "") -> Entry:
         parts: list = [parsed.prefix]
         own = len(parsed.prefix)
         for index, cache in enumerate(parsed.caches):
@@ -168,7 +168,9 @@ class RamTier:
                 own += len(owned) if isinstance(owned, bytes) else owned.nbytes
                 continue
             n_blocks = -(-len(tokens) // blocks.BLOCK)
-            keys = [bytes([index]) + k for k in blocks.block_keys(tokens, n_blocks)]
+            # Keyed by scope too: a block shared across scopes would show in the tier's bytes
+            # (/metrics, /props) whether another scope holds a prefix.
+            keys = [bytes([index]) + scope.encode() + k for k in blocks.block_keys(tokens, n_blocks)]
             for i, key in enumerate(keys):
                 held = self.store.get(key)
                 if held is None:  # a new block: its own copy (it must not keep this whole state alive)

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from daemon import protocol as p
 from daemon.model.kv_files import (FORMAT_VERSION, KvFileError, KvHeader, model_fingerprint, read_header, read_state,
-                                   write_file)
+                                   scope_id, write_file)
 from daemon.worker.errors import RequestError
 from daemon.worker.kv_cache import context_layout, load_state, slot_state
 from daemon.worker.llama_lib import llama
@@ -24,6 +24,13 @@ from daemon.worker.llama_lib import llama
 # llama-server's fs_validate_filename, narrowed: a plain name, no directory, no hidden file.
 FILENAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,199}$")
 MAX_STATE_BYTES = 2**40  # what a slot file may hold: its budget is the disk, not the prompt cache's
+RESTORED_ELSEWHERE = "\0restored-from-another-scope"  # no request's scope: the HTTP layer never makes a NUL
+
+
+def _forget_draft(engine, slot) -> None:
+    """The draft's copy of the slot's sequence goes with what the slot held."""
+    if engine.speculator is not None:
+        engine.speculator.forget(slot)
 
 
 def slot_action(engine, msg: p.Query) -> p.Answer:
@@ -39,6 +46,7 @@ def slot_action(engine, msg: p.Query) -> p.Answer:
         n = len(slot.cache)
         llama.llama_memory_seq_rm(engine.memory, slot.id, -1, -1)
         slot.truncate(0)
+        _forget_draft(engine, slot)
         engine._slots_changed = True
         return p.Answer(msg.request_id, tokens=[n, 0])
     if not spec.slot_dir:
@@ -49,11 +57,13 @@ def slot_action(engine, msg: p.Query) -> p.Answer:
     model = model_fingerprint(spec.model)
     layout = context_layout(engine.ctx, engine.rt.model, engine.reuse)
     if msg.kind == "slot_save":
-        taken = slot_state(engine.ctx, engine.reuse, slot, 1, MAX_STATE_BYTES)
+        # Another scope's prompt is not the caller's to save (nor to learn the length of).
+        taken = slot_state(engine.ctx, engine.reuse, slot, 1, MAX_STATE_BYTES) if slot.scope == msg.cache_scope \
+            else None
         if taken is None:
             raise RequestError(f"slot {slot.id} holds nothing that can be saved")
         tokens, state = taken
-        header = KvHeader(FORMAT_VERSION, model, layout, tokens, len(state), "")
+        header = KvHeader(FORMAT_VERSION, model, layout, tokens, len(state), "", scope=scope_id(slot.scope))
         try:
             path = write_file(directory, header, memoryview(state), name=msg.text)
         except OSError as exc:
@@ -76,7 +86,10 @@ def slot_action(engine, msg: p.Query) -> p.Answer:
             engine._slots_changed = True
             raise RequestError(f"cannot restore {msg.text}: llama.cpp refused its state", "slot_file_error")
         slot.last_used = time.monotonic()
-        slot.scope = ""  # a named file is the operator's: it serves requests of the default scope
+        _forget_draft(engine, slot)
+        # The file serves the scope that saved it, and only when that scope restores it: restored
+        # by another, it serves no request (a scope no request has), so no scope reads another's.
+        slot.scope = msg.cache_scope if scope_id(msg.cache_scope) == header.scope else RESTORED_ELSEWHERE
         engine._slots_changed = True
         return p.Answer(msg.request_id, tokens=[len(header.tokens), path.stat().st_size])
     raise RequestError(f"unknown query kind {msg.kind!r}")

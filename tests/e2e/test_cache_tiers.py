@@ -128,3 +128,36 @@ def test_slot_save_erase_restore_brings_the_conversation_back(start_daemon, tmp_
     assert r.status_code == 400 and "checksum" in r.json()["error"]["message"]
     r = d.http.post("/slots/0?action=save", json={"filename": "../escape"})
     assert r.status_code == 400 and not (tmp_path / "escape").exists()
+
+
+def test_slot_files_keep_their_scope(start_daemon, tmp_path):
+    """POST /slots/{id}?action=save|restore never moves one key's prompt into another's scope:
+    another key cannot save (nor learn the length of) what a slot holds for someone else, and
+    a file restored by another key than the one that saved it serves no request."""
+    d = start_daemon("--parallel", "1", "--ctx-size", "2048", "--sleep-idle-seconds", "-1",
+                     "--state-dir", str(tmp_path / "s"),
+                     env={"DORMOUSE_SLOT_SAVE_PATH": str(tmp_path / "slots"), "DORMOUSE_PROMPT_CACHE_RAM_BYTES": "0",
+                          "DORMOUSE_KV_CACHE_DISK_BYTES": "0", "DORMOUSE_API_KEYS": "alice:key-a,bob:key-b"})
+    d.wait_state("ready")
+    alice, bob = ({"Authorization": f"Bearer {key}"} for key in ("key-a", "key-b"))
+
+    def chat_as(who, messages):
+        r = d.http.post("/v1/chat/completions", headers=who,
+                        json={"messages": messages, "max_tokens": 4, "temperature": 0})
+        assert r.status_code == 200, r.text
+        body = r.json()
+        return body["usage"]["prompt_tokens_details"]["cached_tokens"], body["choices"][0]["message"]["content"]
+
+    conv = [{"role": "user", "content": opening(TOPICS[0])}]
+    _, answer = chat_as(alice, conv)
+    # The next turn extends what the file holds (on Gemma a restored window is extended, never cut back).
+    conv += [{"role": "assistant", "content": answer}, {"role": "user", "content": "Who keeps it?"}]
+    r = d.http.post("/slots/0?action=save", json={"filename": "a.bin"}, headers=bob)
+    assert r.status_code == 400 and "holds nothing" in r.json()["error"]["message"], r.text
+    assert d.http.post("/slots/0?action=save", json={"filename": "a.bin"}, headers=alice).status_code == 200
+    # Bob restores Alice's file: the slot then serves nobody, Bob reads his prompt from 0.
+    assert d.http.post("/slots/0?action=restore", json={"filename": "a.bin"}, headers=bob).status_code == 200
+    assert chat_as(bob, conv)[0] == 0
+    # Restored by Alice, it is hers again.
+    assert d.http.post("/slots/0?action=restore", json={"filename": "a.bin"}, headers=alice).status_code == 200
+    assert chat_as(alice, conv)[0] > 0

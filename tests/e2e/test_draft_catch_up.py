@@ -127,3 +127,33 @@ def test_long_prompt_with_a_draft_is_read_in_chunks_beside_a_bystander(start_dae
     lines = catch_ups(d)
     assert len([line for line in lines if line[1] >= LONG - BATCH]) == 2, lines
     assert not value(d.http.get("/metrics").text, "dormouse_worker_restarts_total")
+
+
+def test_the_drafts_copy_of_a_slot_never_serves_another_scope(start_daemon, bundled_model):
+    """The draft's KV of a slot is the scope's that wrote it: a prompt of another key on that
+    slot makes the draft read it all again (its reuse would show in timings.prompt_ms), the
+    same key's next turn does not. Counted from the worker's catch-up lines."""
+    d = start_daemon("--sleep-idle-seconds", "-1", "--ctx-size", "1024", "--parallel", "1", "--batch-size",
+                     str(BATCH), "--threads", "1", "--model-draft", bundled_model,
+                     env={"DORMOUSE_API_KEYS": "alice:key-a,bob:key-b"})
+    d.wait_state("ready")
+    text = " ".join(f"Line {i}: the river passes the mill and the baker sells bread." for i in range(40))
+    tokens = d.http.post("/tokenize", json={"content": text},
+                         headers={"Authorization": "Bearer key-a"}).json()["tokens"][:320]
+    assert len(tokens) == 320
+
+    def run(key: str, prompt: list[int]) -> None:
+        r = d.http.post("/v1/completions", headers={"Authorization": f"Bearer {key}"}, timeout=600,
+                        json={"prompt": prompt, "max_tokens": 4, "temperature": 0})
+        assert r.status_code == 200, r.text
+
+    run("key-a", tokens)
+    run("key-a", tokens + tokens[:40])  # the same scope: the draft keeps what it read
+    run("key-b", tokens + tokens[:40])  # another scope, the same tokens: the draft reads from 0
+    deadline = time.monotonic() + 30
+    while len(catch_ups(d)) < 2 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    read = [n for _, n, _, _ in catch_ups(d)]
+    assert read and read[0] >= 320 - BATCH  # alice's first prompt, read in chunks
+    assert read[-1] >= 320 - BATCH, read  # bob's: all of it again, none of alice's copy kept
+    assert not any(BATCH <= n < 320 - BATCH for n in read), read  # alice's next turn read only what was new

@@ -93,3 +93,5 @@ def test_the_served_sockets_replace_what_the_settings_said():
     named = Listening()
     named.bind("dormouse.lan")  # host = a name: that name is what it is called by
     assert named.names == {"dormouse.lan"}
+    named.serve(["192.0.2.10"])  # the name's address, as the bound socket shows it: the name stays served
+    assert named.names == {"dormouse.lan"} and named.addresses == {"192.0.2.10"}

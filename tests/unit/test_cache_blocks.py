@@ -102,6 +102,24 @@ def test_two_conversations_sharing_a_system_prompt_hold_its_blocks_once():
     assert np.array_equal(joined(tier.caches(eb)), state(len(b)))
 
 
+def test_two_scopes_share_no_block():
+    """A block shared across scopes would show in the tier's bytes (/metrics, /props) whether
+    another scope holds a prefix: each scope holds its own."""
+    from daemon.model.kv_files import scope_id
+
+    tier = RamTier(2**30, ReuseRule(chunk=512))
+    system = list(range(1000, 1000 + 512))
+    a, b = system + [1, 2, 3] * 100, system + [4, 5, 6] * 100
+    ea = tier.put(a, state(len(a)), scope_id("alice"))
+    alone = tier.bytes
+    eb = tier.put(b, state(len(b)), scope_id("bob"))
+    assert len(tier.store) == 2 * (2 + 2)  # nothing shared: bob's system prompt blocks are his own
+    assert tier.bytes >= 2 * alone - 64
+    assert np.array_equal(joined(tier.caches(eb)), state(len(b)))
+    assert tier.best(b, scope_id("carol"))[0] is None and tier.best(b, scope_id("bob"))[0] is eb
+    assert tier.best(b, scope_id("alice"))[0] is ea  # alice's own entry (the shared system prompt), never bob's
+
+
 def test_an_entry_that_a_new_one_extends_is_not_kept_twice():
     tier = RamTier(2**30, ReuseRule(chunk=512))
     turn1 = list(range(600))
