@@ -19,20 +19,7 @@ import ctypes
 import sys
 
 from daemon.worker.llama_lib import llama
-from daemon.worker.slot import Slot
-
-
-def common_prefix(a: list[int], b: list[int]) -> int:
-    """Length of the longest common prefix (one C-speed comparison when one holds the other)."""
-    n = min(len(a), len(b))
-    if a[:n] == b[:n]:
-        return n
-    keep = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        keep += 1
-    return keep
+from daemon.worker.slot import Slot, common_prefix
 
 
 class Speculator:
