@@ -942,8 +942,11 @@ def test_a_model_failed_on_one_replica_is_never_routed_there(fake_cluster):
     since = proxy.log_size()
     answers = []
     with httpx.Client(base_url=proxy.url, timeout=CLIENT_TIMEOUT) as client:
+        # DEFAULT's ten first, then OTHER's: OTHER's first request waits for r3's slow load
+        # (SLOW_LOAD_SECONDS), as long as DEFAULT's idle sleep (FAKE_SLEEP_IDLE) on r2, and a
+        # DEFAULT request after it raced that sleep (then woke r1, listed first).
         for i in range(20):
-            model = (DEFAULT, OTHER)[i % 2]
+            model = DEFAULT if i < 10 else OTHER
             status, body = post(client, {"model": model, "prompt": "Hello there", "max_tokens": 2})
             answers.append((model, status, body.get("model") if isinstance(body, dict) else body))
         started = time.monotonic()
