@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from aiohttp import web
 
 from config import Settings
+from config.settings import normalize_host
 from daemon.fleet.owner import Fleet, FleetModel, UnknownModel
 from daemon.http.errors import ApiError
 from daemon.metrics import MetricFamilies
@@ -44,8 +45,6 @@ class Listening:
 
     def serve(self, hosts: list[str], fqdn: str | None = None) -> None:
         """What the server really serves (its bound or inherited sockets), in place of what the settings said."""
-        from config.settings import normalize_host
-
         configured = set(self.configured)
         self.addresses.clear()
         self.names.clear()
@@ -58,8 +57,6 @@ class Listening:
 
     def bind(self, host: str) -> None:
         """Add one bound host (an address literal or a name), as settings.host or a socket says it."""
-        from config.settings import normalize_host
-
         shown = normalize_host(host.partition("%")[0])
         if not shown:
             return
@@ -78,8 +75,6 @@ class Listening:
 
 def own_host_names() -> set[str]:
     """This machine's host name (and its short form): what a client on the network may call it by."""
-    from config.settings import normalize_host
-
     names = set()
     try:
         name = normalize_host(socket.gethostname())
