@@ -25,7 +25,7 @@ the last block cut as it is joined) and its window, its only own bytes; the
 writer gives it a file. Every tier is looked up through a PrefixIndex
 (kv_files) and only within the request's cache scope.
 
-Every entry is also written to the disk tier (kv_cache.SavedPrompts: the
+Every entry is also written to the disk tier (disk_tier.SavedPrompts: the
 sealed files of daemon/model/kv_files.py, kept within `kv_cache_disk_bytes`)
 by one writer thread, so that a sleep, an eviction or a shutdown only waits
 for what is still queued, and a wake or a restart finds them there. The
@@ -49,7 +49,8 @@ import numpy as np
 from daemon import protocol as p
 from daemon.worker import prompt_blocks as blocks
 from daemon.model.kv_files import PrefixIndex, scope_id
-from daemon.worker.kv_cache import SavedPrompts, best_indexed, held_by, load_state, slot_state
+from daemon.worker.disk_tier import SavedPrompts
+from daemon.worker.kv_cache import best_indexed, held_by, load_state, slot_state
 from daemon.worker.llama_lib import llama
 from daemon.worker.reuse import ReuseRule
 from daemon.worker.slot import Slot

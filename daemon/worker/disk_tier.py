@@ -1,0 +1,102 @@
+"""The disk tier of the prompt cache: files of daemon/model/kv_files.py, one
+per entry, found through their index and restored into a slot by
+kv_cache.load_state (daemon/worker/prompt_cache.py holds the tiers together)."""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from pathlib import Path
+
+from daemon import protocol as p
+from daemon.model.kv_files import (FORMAT_VERSION, KvEntry, KvFileError, KvHeader, KvIndex, model_fingerprint,
+                                   read_header, read_state, write_file)
+from daemon.worker import prompt_blocks as blocks
+from daemon.worker.kv_cache import best_indexed, context_layout, held_by, load_state
+from daemon.worker.reuse import ReuseRule
+from daemon.worker.slot import Slot
+
+
+class SavedPrompts:
+    """The disk tier: files of daemon/model/kv_files.py, one per entry. The
+    writer thread adds files while the decode thread looks them up: the lock
+    guards the index."""
+
+    def __init__(self, ctx: ctypes.c_void_p, model: ctypes.c_void_p, spec: p.ModelSpec, rule: ReuseRule) -> None:
+        self.ctx = ctx
+        self.rule = rule
+        self.min_tokens = spec.kv_min_tokens
+        self.budget = spec.kv_disk_bytes
+        self.lock = threading.Lock()
+        self.index = KvIndex.scan(Path(spec.kv_dir), model_fingerprint(spec.model), context_layout(ctx, model, rule))
+        self.index.cut_back = rule.replaces
+        self.rejected_at_load = dict(self.index.rejected)
+        self.evicted = 0  # files deleted to stay within the budget
+        self.n_stream = max(1, spec.parallel)  # one stream per slot (runtime.py: kv_unified off)
+
+    def best(self, tokens: list[int], scope: str = "") -> tuple[KvEntry | None, int]:
+        """The best file for `tokens` among those of `scope` (a kv_files.scope_id)."""
+        with self.lock:
+            return best_indexed(self.rule, self.index.prefix, tokens, scope)
+
+    def holds(self, tokens: list[int], scope: str = "") -> bool:
+        """A file of the scope (a kv_files.scope_id) already restores these tokens (or more of them,
+        where a longer state can be cut back)."""
+        with self.lock:
+            return held_by(self.rule, self.index.prefix, tokens, scope)
+
+    def load(self, slot: Slot, entry: KvEntry) -> str | None:
+        """Restore a file into the slot; None, or why it failed (the file is forgotten, or deleted as untrusted)."""
+        try:
+            state = self._read(entry)
+        except OSError:  # unreadable, or the directory changed under us: a miss
+            self._forget(entry)
+            return "unreadable"
+        except KvFileError as exc:
+            self._reject(entry, exc.reason)
+            return exc.reason
+        if not load_state(self.ctx, self.rule, slot, entry.tokens, blocks.restreamed(state, self.n_stream)):
+            self._reject(entry, "corrupt")
+            return "corrupt"
+        try:
+            with self.lock:
+                self.index.touch(entry)  # least recently used goes first; best effort
+        except OSError:
+            pass
+        return None
+
+    def write(self, tokens: list[int], state, scope: str = "") -> int:
+        """Write one entry (sealed, atomically); the bytes written, 0 when it was
+        already held or cannot fit. Raises OSError or KvFileError."""
+        if len(state) > self.budget or self.holds(tokens, scope):
+            return 0
+        header = KvHeader(FORMAT_VERSION, self.index.model, self.index.layout, tokens, len(state), "", scope=scope)
+        path = write_file(self.index.directory, header, memoryview(state))  # seals header and state together
+        _, offset = read_header(path)
+        with self.lock:
+            self.index.add(path, tokens, header.state_bytes, offset, scope=header.scope,
+                           supersede=self.rule.replaces(len(tokens)))
+            self.evicted += self.index.keep_within(self.budget)
+        return path.stat().st_size if path.exists() else 0
+
+    def summary(self) -> dict[str, int]:
+        with self.lock:
+            return {"entries": len(self.index.entries), "bytes": self.index.disk_bytes, "evictions": self.evicted}
+
+    def _forget(self, entry: KvEntry) -> None:
+        with self.lock:
+            self.index.forget(entry)
+
+    def _reject(self, entry: KvEntry, reason: str) -> None:
+        try:
+            with self.lock:
+                self.index.reject(entry.path, reason)
+        except OSError:  # a read-only state directory: forget the file, serve on
+            self._forget(entry)
+
+    @staticmethod
+    def _read(entry: KvEntry) -> bytes:
+        header, offset = read_header(entry.path)  # the file may have changed since the scan
+        if header.tokens != entry.tokens:
+            raise KvFileError("corrupt", f"{entry.path.name}: tokens changed since it was indexed")
+        return read_state(entry.path, header, offset)
