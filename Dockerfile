@@ -8,7 +8,8 @@
 #
 # No model inside: mount one at /models (deploy/docker/dormouse.toml names
 # /models/model.gguf; a config of your own at /etc/dormouse/dormouse.toml).
-# The Python packages are installed by deploy/docker/install.sh alone, the
+# The Python packages (the runtime dependencies, never the test extra) are
+# installed by deploy/docker/install.sh alone, the
 # script that tests/reliability/test_deploy_image.py runs on a fresh copy of
 # the repository; hadolint checks this file (tests/unit/test_deploy_image.py).
 
@@ -64,6 +65,8 @@ RUN groupadd --system --gid 10001 dormouse \
 COPY --from=build /opt/dormouse /opt/dormouse
 COPY deploy/docker/dormouse.toml /etc/dormouse/dormouse.toml
 # The venv is read-only at run time (readOnlyRootFilesystem): pip compiled it.
+# HOME is the state volume: a model by name (hf_repo) goes to huggingface_hub's cache
+# under it (~/.cache), so it outlives the container.
 ENV PATH=/opt/dormouse/bin:$PATH HOME=/var/lib/dormouse PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1
 VOLUME ["/var/lib/dormouse"]
 USER 10001:10001

@@ -1,8 +1,9 @@
 """The settings schema and how its layers are put together.
 
-Precedence, lowest first: defaults, the TOML file given with --config (or
-DORMOUSE_CONFIG), DORMOUSE_* environment variables, command-line flags. An
-error names the key and the layer it came from.
+Precedence, lowest first: defaults, the TOML file (--config, DORMOUSE_CONFIG,
+or the first of the default paths that exists: config/sources.py),
+DORMOUSE_* environment variables, command-line flags. An error names the key
+and the layer it came from.
 """
 
 from __future__ import annotations
@@ -30,7 +31,9 @@ MAX_NAMED_KEYS = 256
 KEY_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 
 
-from config.models import ModelSettings, check_chat_template, check_model_ids, parse_size  # noqa: E402
+from config.models import MODEL_ID, ModelSettings, check_chat_template, check_model_ids, parse_size  # noqa: E402
+from config.sources import find_config_file  # noqa: E402
+from config.llama_options import LlamaOptions  # noqa: E402
 
 
 class ConfigError(ValueError):
@@ -108,6 +111,13 @@ class Settings(BaseSettings):
 
     # -- model --
     model: Path | None = Field(None, description="GGUF file; empty means the bundled Gemma 3 270M")
+    hf_repo: str | None = Field(None, max_length=256, description="a Hugging Face repository to take the model from, "
+                                "owner/name[:QUANT] (llama-server's -hf): the quant tag picks the .gguf whose name "
+                                "holds it; none: Q4_K_M, else the first; a projector (mmproj) comes along. Downloaded "
+                                "at start into huggingface_hub's cache (HF_HOME), or found there; HF_TOKEN, "
+                                "HF_ENDPOINT and HF_HUB_OFFLINE apply. Not with `model`")
+    hf_file: str | None = Field(None, max_length=1024, description="with hf_repo: this .gguf of the repository "
+                                "rather than the one the quant tag picks (llama-server's --hf-file)")
     model_draft: Path | None = Field(None, description="draft model for speculative decoding")
     mmproj: Path | None = Field(None, description="multimodal projector GGUF")
     ctx_size: int = Field(4096, ge=64, description="total context, shared by the slots")
@@ -126,6 +136,10 @@ class Settings(BaseSettings):
     warmup: bool = Field(True, description="one decode after a load at start or by POST /wake (a wake for a request skips it: the request warms up)")
     embeddings: bool = Field(False, description="serve /v1/embeddings from this model (a pooled context; it then generates no text)")
     pooling: Literal["mean", "cls", "last", "rank"] = Field("mean", description="how an embeddings model pools its token vectors; rank: a reranker's classifier head scores query and document (/v1/rerank)")
+    llama_options: LlamaOptions = Field(
+        default_factory=dict, description="llama.cpp's own tuning knobs by llama_context_params / llama_model_params "
+        "field name (flash_attn_type, n_ubatch, type_k, rope_freq_base, split_mode, ...: config/llama_options.py), "
+        "set on the main model; llama-server's -fa, -ub, -ctk, --rope-*, -sm arrive here")
 
     # -- sleep --
     sleep_idle_seconds: float = Field(300, description="sleep after this many idle seconds; -1 never")
@@ -480,16 +494,16 @@ def _where(key: str, cli: dict[str, Any], toml_file: Path | None, toml_data: dic
 def load_settings(config_file: str | Path | None = None, cli: dict[str, Any] | None = None) -> Settings:
     """Build the effective settings; raise ConfigError naming the key and its source."""
     cli = {k: v for k, v in (cli or {}).items() if v is not None}
-    config_file = config_file or os.environ.get(ENV_PREFIX + "CONFIG") or None
-    toml_file = Path(config_file) if config_file else None
+    found = find_config_file(config_file)  # --config, DORMOUSE_CONFIG, or a default path (config/sources.py)
+    toml_file = found.path
     toml_data: dict[str, Any] = {}
     if toml_file is not None:
         try:
             toml_data = tomllib.loads(toml_file.read_text())
         except FileNotFoundError:
-            raise ConfigError(f"config file {toml_file} does not exist") from None
+            raise ConfigError(f"config file {toml_file} (from {found.how}) does not exist") from None
         except (OSError, tomllib.TOMLDecodeError) as exc:
-            raise ConfigError(f"config file {toml_file} cannot be read: {exc}") from None
+            raise ConfigError(f"config file {toml_file} (from {found.how}) cannot be read: {exc}") from None
 
     # A subclass carries the TOML path, so concurrent loads do not share it.
     layered = type("LayeredSettings", (Settings,), {"toml_file": toml_file})
@@ -505,4 +519,23 @@ def load_settings(config_file: str | Path | None = None, cli: dict[str, Any] | N
             where = ".".join(str(part) for part in err["loc"])  # models.chat.ctx_size
             problems.append(f"{where}: {err['msg']} (from {_where(key, cli, toml_file, toml_data)})")
         raise ConfigError("invalid configuration:\n  " + "\n  ".join(problems)) from None
-    return Settings.model_construct(**dict(layered_settings))
+    settings = Settings.model_construct(**dict(layered_settings))
+    _check_top_level_model(settings, _where("model", cli, toml_file, toml_data))
+    return settings
+
+
+def _check_top_level_model(settings: Settings, where: str) -> None:
+    """A top-level `model` beside [models.ID] tables is the path the tables that set none inherit. When
+    every table sets its own path nothing serves it: refused, not dropped without a word. (Not made a
+    model of the fleet on its own: the same line would then mean two things, the tables' shared
+    default and a model with an id nobody chose.)"""
+    def names_its_own(table: ModelSettings) -> bool:  # a path, or a model by name (hf), if tables take one
+        return table.path is not None or bool(getattr(table, "hf", None) or getattr(table, "hf_repo", None))
+
+    if settings.model is None or not settings.models or not all(map(names_its_own, settings.models.values())):
+        return
+    stem = Path(settings.model).stem
+    model_id = stem if MODEL_ID.fullmatch(stem) else "main"
+    raise ConfigError(f"model = {str(settings.model)!r} (from {where}) is served by no model: every [models.ID] "
+                      f"table sets its own path. Move it into a table of its own ([models.{model_id}] path = "
+                      f"{json.dumps(str(settings.model))}), or remove it")

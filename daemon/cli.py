@@ -10,6 +10,7 @@ import sys
 from typing import Any
 
 from config import ConfigError, load_settings
+from daemon.pull import add_pull_command, run_pull
 
 # CLI flag -> settings key. Names follow llama-server where both have the option.
 _FLAGS: list[tuple[str, dict[str, Any]]] = [
@@ -68,15 +69,29 @@ _FLAGS: list[tuple[str, dict[str, Any]]] = [
 ]
 
 
+def version() -> str:
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as installed
+
+    try:
+        return installed("dormouse")
+    except PackageNotFoundError:  # run from a checkout that was never installed
+        return "unknown (not installed)"
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dormouse", description="A GGUF model server that sleeps when idle.")
+    parser.add_argument("--version", action="version", version=f"dormouse {version()}")
     commands = parser.add_subparsers(dest="command", required=True)
+    add_pull_command(commands)
     for name, help_text in (("status", "print the running daemon's state and every model's (never wakes one)"),
                             ("sleep", "put a model to sleep now (without --model: every idle model)"),
                             ("wake", "wake a model (without --model: the default) and wait until it is ready")):
         sub = commands.add_parser(name, help=help_text)
         sub.add_argument("--model", help="a model id or alias (see status)")
-        sub.add_argument("--url", default="http://127.0.0.1:8080", help="the daemon (default http://127.0.0.1:8080)")
+        sub.add_argument("--url", default=None, help="the daemon: host:port or http://host:port (default "
+                                                     "$DORMOUSE_URL, else 127.0.0.1:8080)")
+        sub.add_argument("--json", action="store_true", help="print the daemon's JSON answer, not a summary")
         sub.add_argument("--admin-key", default=os.environ.get("DORMOUSE_ADMIN_KEY"),
                          help="admin key, if one is set (also DORMOUSE_ADMIN_KEY)")
         sub.add_argument("--api-key", default=os.environ.get("DORMOUSE_API_KEY"),
@@ -84,7 +99,8 @@ def _parser() -> argparse.ArgumentParser:
                               "wake when no admin key is set (also DORMOUSE_API_KEY)")
     for name, help_text in (("serve", "run the daemon"), ("check-config", "print the effective settings and exit")):
         sub = commands.add_parser(name, help=help_text, argument_default=argparse.SUPPRESS)
-        sub.add_argument("--config", help="TOML settings file (also DORMOUSE_CONFIG)")
+        sub.add_argument("--config", help="TOML settings file (default: $DORMOUSE_CONFIG, else the first that exists "
+                                          "of ~/.config/dormouse/dormouse.toml and /etc/dormouse/dormouse.toml)")
         for flag, options in _FLAGS:
             sub.add_argument(flag, **options)
         sub.add_argument("--spawn-ahead", dest="spawn_ahead", action=argparse.BooleanOptionalAction,
@@ -94,53 +110,45 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _remote(command: str, url: str, admin_key: str | None, api_key: str | None = None, model: str | None = None) -> int:
-    """status / sleep / wake against a running daemon, with the standard library only."""
-    import urllib.error
-    import urllib.parse
-    import urllib.request
-
-    path, method = {"status": ("/props", "GET"), "sleep": ("/sleep", "POST"), "wake": ("/wake", "POST")}[command]
-    if model is not None:
-        path += "?" + urllib.parse.urlencode({"model": model})
-    # A POST declares JSON: the daemon refuses other bodies (urllib would send a form type).
-    request = urllib.request.Request(url.rstrip("/") + path, method=method, data=b"{}" if method == "POST" else None,
-                                     headers={"Content-Type": "application/json"} if method == "POST" else {})
-    key = (api_key or admin_key) if command == "status" else (admin_key or api_key)
-    if key:
-        request.add_header("Authorization", f"Bearer {key}")
-    try:
-        with urllib.request.urlopen(request, timeout=600) as response:
-            body = json.loads(response.read())
-    except urllib.error.HTTPError as exc:
-        try:
-            detail = json.loads(exc.read() or b"{}").get("error", {}).get("message", exc.reason)
-        except (ValueError, AttributeError):  # not the daemon's JSON error (a proxy's page, say)
-            detail = exc.reason
-        print(f"dormouse: {command} refused ({exc.code}): {detail}", file=sys.stderr)
-        return 1
-    except (urllib.error.URLError, OSError) as exc:
-        print(f"dormouse: cannot reach {url}: {getattr(exc, 'reason', exc)}", file=sys.stderr)
-        return 1
-    if command == "status":
-        keys = ("id", "state", "is_sleeping", "failure", "sleep_idle_seconds", "idle_timer_remaining",
-                "requests_in_flight", "requests_waiting", "last_wake", "last_sleep")
-        fleet = body.get("fleet") or {}
-        body = {k: body.get(k) for k in keys}
-        if fleet:  # every model, one line each: what `ollama ps` shows, and what sleeps
-            body["models"] = {m["id"]: {"status": m["status"], "pinned": m["pinned"], "default": m["default"],
-                                        "footprint_bytes": m["footprint_bytes"]} for m in fleet.get("models", [])}
-            body["memory"] = {"budget_bytes": fleet.get("budget_bytes"), "planned_bytes": fleet.get("planned_bytes")}
-    print(json.dumps(body, indent=2))
-    return 0
-
-
 def main(argv: list[str] | None = None) -> int:
+    try:
+        return _main(argv)
+    except BrokenPipeError:
+        # `dormouse status | head -1`: the reader left; no traceback. Python's own advice: point
+        # stdout at /dev/null so that the flush at exit does not raise again.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 1
+
+
+def _main(argv: list[str] | None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    translation = None
+    if argv[:1] in (["serve"], ["check-config"]):
+        # llama-server's spellings and LLAMA_ARG_* variables are aliases (daemon/llama_server_args.py)
+        from daemon.llama_server_args import LlamaServerArgsError, translate
+
+        try:
+            translation = translate(argv[1:], os.environ)
+        except LlamaServerArgsError as exc:
+            print(f"dormouse: {exc}", file=sys.stderr)
+            return 2
+        for note in translation.notes:
+            print(f"dormouse: {note}", file=sys.stderr)
+        argv = [argv[0], *translation.rest]
     args = vars(_parser().parse_args(argv))
     command = args.pop("command")
+    if command == "pull":
+        return run_pull(argparse.Namespace(**args))
     if command in ("status", "sleep", "wake"):
-        return _remote(command, args["url"], args["admin_key"], args["api_key"], args["model"])
+        from daemon.remote import run_remote
+
+        code = run_remote(command, args["url"], args["admin_key"], args["api_key"], args["model"], args["json"])
+        sys.stdout.flush()  # a closed pipe raises here, inside main's guard, not at exit
+        return code
     config_file = args.pop("config", None)
+    if translation is not None:
+        args = {**translation.serve_settings(), **args}
     try:
         settings = load_settings(config_file, args)
     except ConfigError as exc:
@@ -149,14 +157,20 @@ def main(argv: list[str] | None = None) -> int:
 
     from daemon.fleet.plans import add_footprints, footprint_store, model_plans
     from daemon.model.files import ModelFileError
+    from daemon.model.gguf_check import check_plan_files
 
     try:
         plans = model_plans(settings)
+        for plan in plans:
+            try:
+                check_plan_files(plan.model_path, plan.settings)
+            except ModelFileError as exc:
+                raise ModelFileError(f"[models.{plan.id}]: {exc}" if settings.models else str(exc)) from None
     except ModelFileError as exc:
         print(f"dormouse: {exc}", file=sys.stderr)
         return 2
     if command == "check-config":
-        return _check_config(settings, plans)
+        return _check_config(settings, plans, config_file)
 
     from daemon.logs import configure_logging, get_logger
     from daemon.server import run
@@ -166,12 +180,27 @@ def main(argv: list[str] | None = None) -> int:
     return run(settings, plans, reload_settings=lambda: load_settings(config_file, args))
 
 
-def _check_config(settings, plans) -> int:
-    """Print the effective settings, the fleet with each model's footprint, the
-    memory budget and the stop budget; exit 2 if a model can never fit."""
+def _check_config(settings, plans, config_file: str | None = None) -> int:
+    """Print what was read (the config file, the DORMOUSE_* variables), the effective settings,
+    the fleet with each model's footprint, the memory budget and the stop budget; exit 2 if a
+    model can never fit. A state directory that cannot be written is said on stderr too."""
+    from config import Settings
+    from config.sources import environment_used, find_config_file
     from daemon.fleet.plans import add_footprints, footprint_store, memory_budget
+    from daemon.model.files import state_dir
     from daemon.model.footprint import plausible
     from daemon.server import stop_budget
+    from daemon.state_dir_check import state_dir_warning
+
+    found = find_config_file(config_file)
+    read = {"config_file": str(found.path) if found.path else None, "config_file_from": found.how,
+            "environment": environment_used(set(Settings.model_fields))}
+    for name, what in read["environment"].items():
+        if what.startswith("IGNORED"):
+            print(f"dormouse: warning: environment variable {name} is not a setting and is ignored", file=sys.stderr)
+    warning = state_dir_warning(state_dir(settings))
+    if warning:
+        print(f"dormouse: warning: {warning}", file=sys.stderr)
 
     add_footprints(plans, footprint_store(settings))
     budget = memory_budget(settings)
@@ -186,7 +215,8 @@ def _check_config(settings, plans) -> int:
             "measured_bytes": plan.measured,
             "settings": {k: str(v) if hasattr(v, "__fspath__") else v for k, v in plan.overrides.items()},
         }
-    print(json.dumps({"settings": settings.public_dict(), "models": models,
+    print(json.dumps({"read": read, "state_dir": {"path": str(state_dir(settings)), "warning": warning},
+                      "settings": settings.public_dict(), "models": models,
                       "memory_budget": {"bytes": budget.bytes, "from": budget.how},
                       "stop_budget_seconds": stop_budget(settings)}, indent=2))
     def believed(plan) -> int:  # a stored figure far from the prediction is not believed (as at serve)

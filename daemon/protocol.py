@@ -72,6 +72,8 @@ class ModelSpec(msgspec.Struct, omit_defaults=True):
     # A model with sliding-window layers keeps checkpoints of its window (worker/kv_cache.take_checkpoint)
     # at each prompt's end, each turn boundary and every this many prompt tokens (at a chunk's end); 0: not every N.
     cache_checkpoint_every: int = 1024
+    # llama.cpp context/model params by field name (config/llama_options.py checked them), for the main model.
+    llama_options: dict[str, bool | int | float] = {}
 
     # What one llama_decode may carry, shared by the worker (which sizes its
     # context with it) and the daemon's footprint prediction (which must match).

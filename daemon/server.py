@@ -19,6 +19,7 @@ from typing import Any, Callable
 from aiohttp import web
 
 from config import ConfigError, Settings
+from config.reloadable import needs_restart
 from config.settings import admin_key_problem
 from daemon.fleet.metrics import FleetMetrics
 from daemon.fleet.owner import Fleet, FleetModel
@@ -31,6 +32,7 @@ from daemon.metrics import MetricFamilies, Metrics
 from daemon.model.controller import CANCEL_GRACE_SECONDS, Controller
 from daemon.model.files import state_dir
 from daemon.model.footprint import counted, plausible
+from daemon.state_dir_check import state_dir_warning
 from daemon.state_lock import StateDirInUse, StateDirLock
 from daemon.systemd import Notifier, inherited_socket, watchdog_interval
 from statemachine import PolicyChanged
@@ -154,7 +156,7 @@ async def serve(settings: Settings, plans: list[ModelPlan], reload_settings: Cal
     fleet = build_fleet(settings, plans, families, log)
     notifier = Notifier()
     if reload_settings is not None:
-        loop.add_signal_handler(signal.SIGHUP, lambda: _reload(fleet, notifier, reload_settings, log))
+        loop.add_signal_handler(signal.SIGHUP, lambda: _reload(fleet, notifier, reload_settings, log, settings))
     for controller in fleet.controllers:
         controller.state_listeners.append(lambda before, after: notifier.status(fleet_status(fleet)))
 
@@ -255,7 +257,8 @@ def _per_model(table, fresh: Settings, key: str) -> float:
     return getattr(fresh, key) if value is None else value
 
 
-def _reload(fleet: Fleet, notifier: Notifier, reload_settings: Callable[[], Settings], log) -> None:
+def _reload(fleet: Fleet, notifier: Notifier, reload_settings: Callable[[], Settings], log,
+            running: Settings | None = None) -> None:
     notifier.reloading()
     try:
         fresh = reload_settings()
@@ -277,6 +280,12 @@ def _reload(fleet: Fleet, notifier: Notifier, reload_settings: Callable[[], Sett
             deep_after_seconds=tiers["deep_after"])))
         applied[model.id] = tiers
     log.info("reload.done", sleep_tiers=applied, log_level=fresh.log_level)
+    skipped = needs_restart(running, fresh) if running is not None else []
+    if skipped:  # read at start only: named, not dropped without a word (config/reloadable.py)
+        log.warning("reload.needs_restart", keys=skipped,
+                    error=f"changed, but a reload cannot apply them: {', '.join(skipped)} (needs a restart)")
+        notifier.ready(f"{fleet_status(fleet)} (reload: {', '.join(skipped)[:200]} needs a restart)")
+        return
     notifier.ready(fleet_status(fleet))
 
 
@@ -290,6 +299,7 @@ async def _watchdog(notifier: Notifier) -> None:
 def run(settings: Settings, plans: list[ModelPlan], reload_settings: Callable[[], Settings] | None = None) -> int:
     configure_logging(settings.log_format, settings.log_level)
     lock = StateDirLock(state_dir(settings))
+    unwritable = state_dir_warning(state_dir(settings))
     try:
         lock.acquire()
     except StateDirInUse as exc:
@@ -300,7 +310,10 @@ def run(settings: Settings, plans: list[ModelPlan], reload_settings: Callable[[]
             get_logger().error("state_dir.unusable", error=f"cannot lock {lock.path}: {exc.strerror or exc}")
             return 1
         # A state directory this daemon cannot write: no two daemons can rewrite anything there.
-        get_logger().warning("state_dir.not_locked", path=str(lock.path), error=exc.strerror or str(exc))
+        if not unwritable:  # else the line below says it, with what else will not persist
+            get_logger().warning("state_dir.not_locked", path=str(lock.path), error=exc.strerror or str(exc))
+    if unwritable:  # the one line that says what will not persist (daemon/state_dir_check.py)
+        get_logger().warning("state_dir.read_only", path=str(state_dir(settings)), error=unwritable)
     try:
         return asyncio.run(serve(settings, plans, reload_settings))
     except KeyboardInterrupt:  # a Ctrl-C before serve() took the signals over (or after it gave them back)

@@ -442,6 +442,12 @@ class Controller(SleepTiers):
         tier = "light" if self.machine.keeper_held else "deep"
         nbytes, cold = await asyncio.to_thread(self._files_in_cache, 0.0)
         self._begin_wake_prediction(tier, nbytes, cold)
+        # A multi-GB load takes minutes on a slow disk: one line now, so the log does not go quiet.
+        on_gpu = self.nvml.available and self.settings.n_gpu_layers != 0
+        self.log.info("load.begin", reason=reason, file=self.model_path, bytes=nbytes, bytes_from_disk=cold,
+                      device=("GPU" if self.settings.n_gpu_layers == -1 else f"GPU ({self.settings.n_gpu_layers} "
+                              "layers), CPU") if on_gpu else "CPU",
+                      expected_seconds=round(self.wake_prediction.seconds, 1) if self.wake_prediction else None)
         try:
             # A wake that a request triggered skips the warm-up decode: that request's
             # own prompt pays the same lazy initialisation, so a warm-up would only
@@ -467,7 +473,7 @@ class Controller(SleepTiers):
         self.n_ctx_slot = ready.n_ctx_slot
         self.slots = [p.SlotInfo(i, "idle") for i in range(ready.n_slots)]
         self.metrics.observe_wake(self.last_wake, ready.model_info.get("memory_by_device") or {})
-        self.log.info("wake.done", reason=reason, seconds=round(self.last_wake["seconds"], 4),
+        self.log.info("wake.done", reason=reason, seconds=round(self.last_wake["seconds"], 4), file=self.model_path,
                       prespawned=result.prespawned, phases=phase_seconds(self.last_wake), pid=result.worker.pid)
         self._ready_at = time.monotonic()
         return WorkerReady(ready.n_slots, ready.model_info)
@@ -561,6 +567,7 @@ class Controller(SleepTiers):
             cache_deterministic=s.cache_deterministic,
             cache_checkpoint_every=s.cache_checkpoint_every,
             load_mode=s.load_mode,
+            llama_options=dict(s.llama_options),
         )
 
     # -- from the worker ------------------------------------------------------------

@@ -17,6 +17,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
+from config.llama_options import LLAMA_PARAM_FIELDS, check_llama_options
 from daemon.protocol import ModelSpec, Phase
 from daemon.worker.llama_lib import llama, mtmd
 from daemon.worker.memory import BufferLedger
@@ -115,6 +116,8 @@ class Runtime:
         # other slots. Off by default; measured no slower here (bench/throughput.py).
         params.use_extra_bufts = self.spec.cpu_repack
         params.load_mode = LOAD_MODES[self.spec.load_mode]
+        if what == "model":
+            self._apply_llama_options(params, "model")
         model = llama.llama_model_load_from_file(os.fsencode(path), params)
         if not model:
             raise LoadError(f"cannot load {what} {path}: {self._last_error()}")
@@ -139,6 +142,8 @@ class Runtime:
         # never loses window positions; only a restored one lacks them).
         params.kv_unified = False
         params.swa_full = True
+        if model is self.model:
+            self._apply_llama_options(params, "context")
         if self.spec.embeddings and model is self.model:
             # A pooled sequence must sit in one micro-batch: an input is read in
             # one decode of at most batch_size tokens, and every token is an output.
@@ -150,6 +155,21 @@ class Runtime:
         if not ctx:
             raise LoadError(f"cannot create {what} (n_ctx={n_ctx}): {self._last_error()}")
         return ctx
+
+    def _apply_llama_options(self, params: ctypes.Structure, struct: str) -> None:
+        """llama_options (llama-server's -fa, -ub, -ctk, --rope-*, -sm, ...) on the main model's params.
+        The daemon checked them at startup; a spec from elsewhere is checked again here, so a bad name
+        or value is a LoadError that names it, never a crash inside llama.cpp."""
+        try:
+            options = check_llama_options(self.spec.llama_options)
+        except ValueError as exc:
+            raise LoadError(f"llama_options: {exc}") from None
+        if struct == "context" and self.spec.embeddings and "n_ubatch" in options:
+            raise LoadError("llama_options: n_ubatch (-ub) cannot be set on an embeddings model: a pooled input "
+                            "must sit in one micro-batch, of batch_size (-b) tokens")
+        for name, value in options.items():
+            if LLAMA_PARAM_FIELDS[name][0] == struct:
+                setattr(params, name, value)
 
     def _load_mmproj(self, path: str) -> ctypes.c_void_p:
         lib = mtmd()

@@ -290,8 +290,9 @@ def test_cli_status_sleep_wake_against_a_running_daemon(tmp_path):
         assert refused.returncode == 1 and "401" in refused.stderr
         assert cli("sleep", "--admin-key", "k").returncode == 0
         status = cli("status")
-        assert status.returncode == 0 and '"state": "sleeping"' in status.stdout
-        woke = cli("wake", "--admin-key", "k")
+        assert status.returncode == 0 and "state    sleeping" in status.stdout  # the summary
+        assert '"state": "sleeping"' in cli("status", "--json").stdout  # the daemon's own JSON
+        woke = cli("wake", "--admin-key", "k", "--json")
         assert woke.returncode == 0 and '"state": "ready"' in woke.stdout
     finally:
         d.stop()

@@ -1,0 +1,53 @@
+"""A model by name, end to end: `dormouse serve` with `hf_repo` downloads the
+GGUF from a stand-in hub (tests/fixtures/fake_hub.py, through HF_ENDPOINT)
+into huggingface_hub's cache (HF_HOME), loads it in a real worker and answers
+a completion; a second start finds it in the cache with the hub gone."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.conftest import DaemonProcess
+from tests.fixtures.fake_hub import FakeHub
+
+pytestmark = pytest.mark.e2e
+
+REPO = "test-org/tiny-llama-GGUF"
+
+
+def test_serve_takes_a_model_by_name_from_the_hub_then_from_the_cache(tmp_path):
+    from tests.fixtures.tiny_model import write_tiny_model
+
+    model = write_tiny_model(tmp_path / "tiny.gguf").read_bytes()
+    config = tmp_path / "dormouse.toml"
+    config.write_text(f'hf_repo = "{REPO}:q8_0"\nthreads = 2\nctx_size = 512\nparallel = 2\n')
+    hf_home = tmp_path / "hf"
+    with FakeHub() as hub:
+        hub.add(REPO, {"README.md": b"# tiny", "tiny-llama-F32.gguf": model, "tiny-llama-Q8_0.gguf": model})
+        d = DaemonProcess("--config", str(config), env={"HF_ENDPOINT": hub.url, "HF_HOME": str(hf_home)},
+                          log_path=tmp_path / "daemon.log")
+        try:
+            d.wait_state("ready", timeout=300)
+            answer = d.http.post("/completion", json={"prompt": "the dormouse", "n_predict": 4})
+            assert answer.status_code == 200, answer.text
+            assert answer.json()["tokens_predicted"] >= 1
+            # the id is the file's name: the daemon serves the cache's snapshot path, not the blob's
+            assert d.props()["id"] == "tiny-llama-Q8_0"
+            assert hub.downloads() == [f"/{REPO}/resolve/main/tiny-llama-Q8_0.gguf"]
+            # no terminal: the download's progress is in the log, as lines
+            assert "dormouse: tiny-llama-Q8_0.gguf: 0 B of" in d.log() and "(100%" in d.log()
+        finally:
+            assert d.stop() == 0
+    snapshot = hf_home / "hub" / "models--test-org--tiny-llama-GGUF" / "snapshots"
+    assert [p.name for p in snapshot.glob("*/*.gguf")] == ["tiny-llama-Q8_0.gguf"]
+
+    # The hub is gone: offline, the cache serves the same model.
+    d = DaemonProcess("--config", str(config), env={"HF_HUB_OFFLINE": "1", "HF_HOME": str(hf_home),
+                                                    "HF_ENDPOINT": "http://127.0.0.1:9"},
+                      log_path=tmp_path / "daemon-offline.log")
+    try:
+        d.wait_state("ready", timeout=300)
+        answer = d.http.post("/completion", json={"prompt": "the", "n_predict": 2})
+        assert answer.status_code == 200 and answer.json()["tokens_predicted"] >= 1
+    finally:
+        assert d.stop() == 0
