@@ -9,7 +9,9 @@ The header carries the model's fingerprint (file size, mtime and a hash of
 the GGUF's first MiB), the context parameters that decide the KV layout
 (slot context, cache types, layers, embedding width, sliding-window mode),
 the token list and a checksum that seals the whole file: the header's
-fields (its checksum left blank) and the state bytes. A token list swapped
+fields (its checksum left blank) and the state bytes (format 3: xxh3-128,
+which checks at memory speed; format 2's blake2b, still read, cost three
+quarters of a restore). A token list swapped
 into another file's header fails it, and so does a file renamed to another
 prompt's name (the name must be the hash of the tokens it holds). A file
 that does not match the model or the layout, is truncated, is misnamed or
@@ -25,6 +27,12 @@ planted there can never make the worker read or delete files elsewhere; a
 refused directory raises UnsafeDirectory (an OSError), and the worker
 serves without saved prompts for that model.
 
+A restore reads a file with one open into a buffer the caller keeps
+(read_sealed), and checks a file's seal once per process: a file whose
+identity (device, inode, size, mtime and ctime, which no write leaves
+unchanged once its clock tick has passed) matches one already checked is
+not hashed again (VerifiedSeals).
+
 Pure Python, no llama.cpp: the worker writes and reads them, the daemon
 reads their headers to show what is saved while the model sleeps.
 """
@@ -36,18 +44,26 @@ import hashlib
 import os
 import stat as stat_mode
 import struct
+import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO, Iterator
 
 import msgspec
+import numpy as np
+import xxhash
+
+from daemon.model.prefix_index import INDEX_BLOCK, MAX_SHARERS, PrefixIndex, chain_keys  # noqa: F401 (re-exported)
 
 MAGIC = b"DMKV"
 # 2: the checksum seals the header too (1 covered the state only); files of 1 are deleted at the next scan.
-FORMAT_VERSION = 2
+# 3: the seal is xxh3-128 (2's blake2b hashed at ~0.5 GB/s, a file's read at several); files of 2 are still read.
+FORMAT_VERSION = 3
+READ_VERSIONS = (2, 3)
 PREFIX = struct.Struct("<4sII")
 SUFFIX = ".kv"
+TOUCH_SECONDS = 60.0  # a restored file's mtime is moved at most this often (KvIndex.touch)
 MAX_HEADER_BYTES = 16 * 2**20  # a token list of a few million ids at most
 HEAD_BYTES_HASHED = 2**20
 # state_dir/kv/<model id>: the two levels the daemon makes, so neither may be a link.
@@ -112,17 +128,51 @@ def checksum(state: bytes) -> str:
     return hashlib.blake2b(state, digest_size=16).hexdigest()
 
 
-def seal(header: KvHeader, state: bytes) -> str:
-    """The checksum a file carries: its format, every header field (the checksum
-    itself blank) and the state. Re-encoding a decoded header gives the bytes
-    write_file encoded (msgspec keeps field and key order), so a reader needs
-    nothing but the header and the state to check it."""
+def seal(header: KvHeader, state, version: int = FORMAT_VERSION) -> str:
+    """The checksum a file of format `version` carries: its format, every header
+    field (the checksum itself blank) and the state. Re-encoding a decoded header
+    gives the bytes write_file encoded (msgspec keeps field and key order), so a
+    reader needs nothing but the header and the state to check it. `state`: any
+    buffer (bytes, memoryview, a uint8 numpy array). xxhash and hashlib hash
+    without the GIL, so the decode thread runs on while a reader checks."""
     body = msgspec.msgpack.encode(msgspec.structs.replace(header, checksum=""))
-    digest = hashlib.blake2b(digest_size=16)
-    digest.update(PREFIX.pack(MAGIC, FORMAT_VERSION, len(body)))
+    digest = xxhash.xxh3_128() if version >= 3 else hashlib.blake2b(digest_size=16)
+    digest.update(PREFIX.pack(MAGIC, version, len(body)))
     digest.update(body)
     digest.update(state)
     return digest.hexdigest()
+
+
+FileIdentity = tuple[int, int, int, int, int]  # (st_dev, st_ino, st_size, st_mtime_ns, st_ctime_ns)
+# A file's timestamps move in clock ticks (a few ms, the kernel's coarse clock): a write in the same tick as
+# the check could leave them as they were. A check counts only once its file's last change is this far past.
+SETTLED_NS = 200_000_000
+
+
+class VerifiedSeals:
+    """The files whose seal this process has checked, by identity: a restore of
+    the same file again reads it but does not hash it again. Any write to the
+    file changes its ctime (and a replacement its inode), so a changed file is
+    checked afresh; a file changed within its clock tick is never remembered
+    (SETTLED_NS). Bounded: the oldest identities go first."""
+
+    def __init__(self, limit: int = 4096) -> None:
+        self.limit = limit
+        self.held: dict[FileIdentity, None] = {}
+
+    def __contains__(self, identity: FileIdentity) -> bool:
+        return identity in self.held
+
+    def add(self, identity: FileIdentity, now_ns: int) -> None:
+        if now_ns - identity[4] < SETTLED_NS or now_ns - identity[3] < SETTLED_NS:
+            return  # changed too recently for its timestamps to show a change made next
+        self.held[identity] = None
+        while len(self.held) > self.limit:
+            del self.held[next(iter(self.held))]
+
+
+def identity_of(info: os.stat_result) -> FileIdentity:
+    return (info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns, info.st_ctime_ns)
 
 
 # -- the directory, never through a link --
@@ -190,7 +240,7 @@ def write_file(directory: Path, header: KvHeader, state: bytes, name: str | None
     """Atomically: a reader sees the old file, or the whole new one. The header is
     sealed here (its checksum set to seal()). `name`: a name of the caller's
     (POST /slots save), else the hash of the tokens. Raises OSError, UnsafeDirectory included."""
-    sealed = msgspec.structs.replace(header, checksum=seal(header, state))
+    sealed = msgspec.structs.replace(header, checksum=seal(header, state))  # FORMAT_VERSION's seal
     body = msgspec.msgpack.encode(sealed)
     name = name or tokens_name(header.tokens, header.scope)
     temporary = f".{name}.{os.getpid()}.tmp"
@@ -212,15 +262,22 @@ def write_file(directory: Path, header: KvHeader, state: bytes, name: str | None
 
 
 def _read_header(f: BinaryIO, name: str, named: bool = True) -> tuple[KvHeader, int]:
-    size = os.fstat(f.fileno()).st_size
+    header, offset, _ = _read_versioned_header(f, name, named)
+    return header, offset
+
+
+def _read_versioned_header(f: BinaryIO, name: str, named: bool = True,
+                           size: int | None = None) -> tuple[KvHeader, int, int]:
+    """(header, offset of the state, the file's format version)."""
+    size = os.fstat(f.fileno()).st_size if size is None else size
     prefix = f.read(PREFIX.size)
     if len(prefix) < PREFIX.size:
         raise KvFileError("truncated", f"{name}: shorter than its prefix")
     magic, version, header_len = PREFIX.unpack(prefix)
     if magic != MAGIC:
         raise KvFileError("corrupt", f"{name}: not a saved prompt cache")
-    if version != FORMAT_VERSION:
-        raise KvFileError("version", f"{name}: format {version}, this daemon reads {FORMAT_VERSION}")
+    if version not in READ_VERSIONS:
+        raise KvFileError("version", f"{name}: format {version}, this daemon reads {READ_VERSIONS}")
     if header_len > MAX_HEADER_BYTES or PREFIX.size + header_len > size:
         raise KvFileError("truncated", f"{name}: header of {header_len} bytes past the end")
     raw = f.read(header_len)
@@ -237,7 +294,7 @@ def _read_header(f: BinaryIO, name: str, named: bool = True) -> tuple[KvHeader, 
         raise KvFileError("corrupt", f"{name}: token ids outside int32") from None
     if named and own != name:
         raise KvFileError("corrupt", f"{name}: holds the tokens of {own}, not its own")
-    return header, offset
+    return header, offset, version
 
 
 def read_header(path: Path, named: bool = True) -> tuple[KvHeader, int]:
@@ -255,7 +312,7 @@ def read_state(path: Path, header: KvHeader, offset: int, named: bool = True) ->
     file may have been replaced since) and its seal holds over header and state."""
     try:
         with _directory(path.parent) as dir_fd, _open_file(dir_fd, path.name) as f:
-            found, found_offset = _read_header(f, path.name, named)
+            found, found_offset, version = _read_versioned_header(f, path.name, named)
             state = f.read(found.state_bytes)  # the file is at the state's offset
     except OSError as exc:
         raise KvFileError("unreadable", f"{path.name}: {exc.strerror or exc}") from None
@@ -263,9 +320,42 @@ def read_state(path: Path, header: KvHeader, offset: int, named: bool = True) ->
         raise KvFileError("corrupt", f"{path.name}: changed since its header was read")
     if len(state) != header.state_bytes:
         raise KvFileError("truncated", f"{path.name}: ends early")
-    if seal(found, state) != found.checksum:
+    if seal(found, state, version) != found.checksum:
         raise KvFileError("corrupt", f"{path.name}: header or state fails its checksum")
     return state
+
+
+def read_sealed(path: Path, out: np.ndarray | None = None, verified: VerifiedSeals | None = None,
+                named: bool = True) -> tuple[KvHeader, np.ndarray]:
+    """A whole file with one open: its header (every check of read_header) and
+    its state, read straight into `out` (a uint8 array, when large enough: a
+    buffer used again has its pages in place) and checked against the seal,
+    unless `verified` holds this very file (same identity) checked before.
+    The state returned is a view of `out` or a new array. Raises KvFileError
+    (unreadable, truncated, corrupt, version); never returns bytes unchecked."""
+    try:
+        with _directory(path.parent) as dir_fd, _open_file(dir_fd, path.name) as f:
+            info = os.fstat(f.fileno())
+            header, _, version = _read_versioned_header(f, path.name, named, info.st_size)
+            n = header.state_bytes
+            state = out[:n] if out is not None and len(out) >= n else np.empty(n, np.uint8)
+            got = 0
+            while got < n:  # the file is at the state's offset
+                read = f.readinto(memoryview(state)[got:])
+                if not read:
+                    break
+                got += read
+    except OSError as exc:
+        raise KvFileError("unreadable", f"{path.name}: {exc.strerror or exc}") from None
+    if got != n:
+        raise KvFileError("truncated", f"{path.name}: ends early")
+    identity = identity_of(info)
+    if verified is None or identity not in verified:
+        if seal(header, state, version) != header.checksum:
+            raise KvFileError("corrupt", f"{path.name}: header or state fails its checksum")
+        if verified is not None:
+            verified.add(identity, time.time_ns())
+    return header, state
 
 
 # -- the model's files --
@@ -408,9 +498,14 @@ class KvIndex:
         self._file(entry)
 
     def touch(self, entry: KvEntry) -> None:
-        with _directory(self.directory) as dir_fd:
-            os.utime(entry.path.name, dir_fd=dir_fd, follow_symlinks=False)
-            entry.used_at = os.stat(entry.path.name, dir_fd=dir_fd, follow_symlinks=False).st_mtime
+        """Mark an entry used (least recently used files go first). The file's mtime
+        (what a restart orders by) moves at most once a TOUCH_SECONDS: a utime changes
+        the ctime too, and with it the identity VerifiedSeals knows the file by."""
+        now = time.time()
+        with _directory(self.directory) as dir_fd:  # walked each time: a directory turned link raises here
+            if now - entry.used_at >= TOUCH_SECONDS:
+                os.utime(entry.path.name, dir_fd=dir_fd, follow_symlinks=False)
+        entry.used_at = now
 
     @property
     def disk_bytes(self) -> int:
@@ -461,135 +556,3 @@ def describe_dir(directory: Path) -> dict[str, Any]:
     except OSError:
         pass
     return {"files": files, "bytes": total, "prefixes": sorted(prefixes, reverse=True)[:32]}
-
-
-# -- the index from block keys to entries (issue 26: a lookup that does not grow with the cache) --
-
-INDEX_BLOCK = 256  # tokens per block of the chained keys (prompt_blocks.BLOCK)
-MAX_SHARERS = 8  # entries compared beyond the deepest shared block at most (the most recently added)
-
-
-def chain_keys(tokens: list[int], scope: str = "", block: int = INDEX_BLOCK) -> list[bytes]:
-    """keys[i]: a hash naming the scope and tokens[:i * block] (keys[0]: the scope
-    alone), so equal keys mean equal full blocks from 0 in the same scope."""
-    previous = hashlib.blake2b(scope.encode("utf-8"), digest_size=16, person=b"dormouse-chain").digest()
-    keys = [previous]
-    for i in range(len(tokens) // block):
-        digest = hashlib.blake2b(previous, digest_size=16)
-        digest.update(struct.pack(f"<{block}i", *tokens[i * block:(i + 1) * block]))
-        previous = digest.digest()
-        keys.append(previous)
-    return keys
-
-
-class PrefixIndex:
-    """Entries (anything with .tokens and .scope) by chained block keys, so that
-    finding those that share a prompt's prefix costs in proportion to the
-    prompt's blocks, not to the entries held:
-
-    - `tails[keys[f]][t][tuple(tail)]`: entries of f full blocks and a tail of t
-      tokens (the exact-prefix lookup: an entry whose tokens all begin the
-      prompt, or all but its last one: a regenerate of a window state);
-    - `sharers[keys[i]]`: entries that hold full block i (and may be cut back
-      to it: full attention), for a prompt that leaves them past block i
-      (keys[0]: every such entry of the scope, for a share under a block).
-
-    A lookup walks the prompt's levels; per level it probes at most the
-    distinct tail lengths held there (fewer than a block) and compares at most
-    MAX_SHARERS entries at the deepest shared block. `work` counts the probes
-    and comparisons (the unit test's measure)."""
-
-    def __init__(self, block: int = INDEX_BLOCK) -> None:
-        self.block = block
-        self.tails: dict[bytes, dict[int, dict[tuple, list]]] = {}
-        self.sharers: dict[bytes, dict[int, Any]] = {}
-        self.where: dict[int, tuple] = {}  # id(entry) -> what it was filed under
-        self.work = 0
-
-    def __len__(self) -> int:
-        return len(self.where)
-
-    def add(self, entry: Any, cut_back: bool) -> None:
-        """cut_back: the entry's state may be cut back to any prefix (full attention)."""
-        if id(entry) in self.where:
-            return
-        tokens = entry.tokens
-        keys = chain_keys(tokens, entry.scope, self.block)
-        f = len(tokens) // self.block
-        filed = []
-        for t_tokens in (tokens, tokens[:-1]) if tokens else ():  # its own tokens, and all but the last
-            g = len(t_tokens) // self.block
-            tail = tuple(t_tokens[g * self.block:])
-            self.tails.setdefault(keys[g], {}).setdefault(len(tail), {}).setdefault(tail, []).append(entry)
-            filed.append((keys[g], len(tail), tail))
-        shared = keys[:f + 1] if cut_back else []  # keys[0]: the scope alone (a share shorter than a block)
-        for key in shared:
-            self.sharers.setdefault(key, {})[id(entry)] = entry
-        self.where[id(entry)] = (filed, shared)
-
-    def remove(self, entry: Any) -> None:
-        filed, shared = self.where.pop(id(entry), ((), ()))
-        for key, n, tail in filed:
-            by_len = self.tails[key]
-            found = by_len[n][tail]
-            found[:] = [e for e in found if e is not entry]
-            if not found:
-                del by_len[n][tail]
-                if not by_len[n]:
-                    del by_len[n]
-                    if not by_len:
-                        del self.tails[key]
-        for key in shared:
-            held = self.sharers[key]
-            held.pop(id(entry), None)
-            if not held:
-                del self.sharers[key]
-
-    def clear(self) -> None:
-        self.tails.clear()
-        self.sharers.clear()
-        self.where.clear()
-
-    def candidates(self, tokens: list[int], scope: str = "") -> list[tuple[Any, int]]:
-        """(entry, tokens it shares with `tokens`) for every entry that is a
-        prefix of them (or all but its last token is), and for the entries
-        that share the deepest full block (at most MAX_SHARERS of them)."""
-        keys = chain_keys(tokens, scope, self.block)
-        out: list[tuple[Any, int]] = []
-        for g, key in enumerate(keys):
-            by_len = self.tails.get(key)
-            self.work += 1
-            if not by_len:
-                continue
-            start = g * self.block
-            for n in by_len:
-                self.work += 1
-                if start + n > len(tokens):
-                    continue
-                for entry in by_len[n].get(tuple(tokens[start:start + n]), ()):
-                    m = len(entry.tokens)
-                    out.append((entry, m if start + n == m else m - 1 if tokens[m - 1:m] != entry.tokens[-1:] else m))
-        for key in reversed(keys):
-            self.work += 1
-            held = self.sharers.get(key)
-            if held:
-                for entry in list(held.values())[-MAX_SHARERS:]:
-                    self.work += 1
-                    n = 0
-                    for x, y in zip(entry.tokens, tokens):
-                        if x != y:
-                            break
-                        n += 1
-                    out.append((entry, n))
-                break
-        return out
-
-    def exact(self, tokens: list[int], scope: str = "") -> Any | None:
-        """The entry of exactly these tokens in this scope."""
-        g = len(tokens) // self.block
-        key = chain_keys(tokens[:g * self.block], scope, self.block)[-1]
-        tail = tuple(tokens[g * self.block:])
-        for entry in self.tails.get(key, {}).get(len(tail), {}).get(tail, ()):
-            if len(entry.tokens) == len(tokens):
-                return entry
-        return None

@@ -1,6 +1,11 @@
 """The disk tier of the prompt cache: files of daemon/model/kv_files.py, one
 per entry, found through their index and restored into a slot by
-kv_cache.load_state (daemon/worker/prompt_cache.py holds the tiers together)."""
+kv_cache.load_state (daemon/worker/prompt_cache.py holds the tiers together).
+
+A restore is two halves: read() opens, reads and checks the file (any
+thread: disk_reads.py runs it off the decode thread), install() hands the
+checked bytes to llama.cpp (the decode thread, one llama_state_seq_set_data).
+A file is never installed before its seal is checked (read_sealed)."""
 
 from __future__ import annotations
 
@@ -9,8 +14,10 @@ import threading
 from pathlib import Path
 
 from daemon import protocol as p
-from daemon.model.kv_files import (FORMAT_VERSION, KvEntry, KvFileError, KvHeader, KvIndex, model_fingerprint,
-                                   read_header, read_state, write_file)
+import numpy as np
+
+from daemon.model.kv_files import (FORMAT_VERSION, KvEntry, KvFileError, KvHeader, KvIndex, VerifiedSeals,
+                                   model_fingerprint, read_header, read_sealed, write_file)
 from daemon.worker import prompt_blocks as blocks
 from daemon.worker.kv_cache import best_indexed, context_layout, held_by, load_state
 from daemon.worker.reuse import ReuseRule
@@ -33,6 +40,7 @@ class SavedPrompts:
         self.rejected_at_load = dict(self.index.rejected)
         self.evicted = 0  # files deleted to stay within the budget
         self.n_stream = max(1, spec.parallel)  # one stream per slot (runtime.py: kv_unified off)
+        self.verified = VerifiedSeals()  # files checked once in this worker (read by any thread, under the lock)
 
     def best(self, tokens: list[int], scope: str = "") -> tuple[KvEntry | None, int]:
         """The best file for `tokens` among those of `scope` (a kv_files.scope_id)."""
@@ -45,16 +53,28 @@ class SavedPrompts:
         with self.lock:
             return held_by(self.rule, self.index.prefix, tokens, scope)
 
-    def load(self, slot: Slot, entry: KvEntry) -> str | None:
-        """Restore a file into the slot; None, or why it failed (the file is forgotten, or deleted as untrusted)."""
+    def load(self, slot: Slot, entry: KvEntry, out: np.ndarray | None = None) -> str | None:
+        """Restore a file into the slot on this thread; None, or why it failed (the
+        file is forgotten, or deleted as untrusted)."""
+        state, reason = self.read(entry, out)
+        return reason if state is None else self.install(slot, entry, state)
+
+    def read(self, entry: KvEntry, out: np.ndarray | None = None) -> tuple[np.ndarray | None, str | None]:
+        """(the file's checked state, None) or (None, why not): any thread. The
+        state is a view of `out` when it is large enough. A file that fails a
+        check is deleted and counted here, never returned."""
         try:
-            state = self._read(entry)
-        except OSError:  # unreadable, or the directory changed under us: a miss
-            self._forget(entry)
-            return "unreadable"
-        except KvFileError as exc:
+            header, state = read_sealed(entry.path, out, self.verified)
+        except KvFileError as exc:  # unreadable (gone, a link, a directory turned link) too: never trusted again
             self._reject(entry, exc.reason)
-            return exc.reason
+            return None, exc.reason
+        if header.tokens != entry.tokens or header.scope != entry.scope:
+            self._reject(entry, "corrupt")  # its name is its tokens' hash: a file replaced with other contents
+            return None, "corrupt"
+        return state, None
+
+    def install(self, slot: Slot, entry: KvEntry, state) -> str | None:
+        """Put a state read() checked into the slot (the decode thread). None, or "corrupt"."""
         if not load_state(self.ctx, self.rule, slot, entry.tokens, blocks.restreamed(state, self.n_stream)):
             self._reject(entry, "corrupt")
             return "corrupt"
@@ -93,10 +113,3 @@ class SavedPrompts:
                 self.index.reject(entry.path, reason)
         except OSError:  # a read-only state directory: forget the file, serve on
             self._forget(entry)
-
-    @staticmethod
-    def _read(entry: KvEntry) -> bytes:
-        header, offset = read_header(entry.path)  # the file may have changed since the scan
-        if header.tokens != entry.tokens:
-            raise KvFileError("corrupt", f"{entry.path.name}: tokens changed since it was indexed")
-        return read_state(entry.path, header, offset)

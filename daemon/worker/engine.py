@@ -28,6 +28,8 @@ from daemon.worker.sampling import SamplerChain
 from daemon.worker.slot import Checkpoint, Choices, Job, Slot, choose_slot, least_recently_used
 from statemachine import SlotState
 
+RESTORE_WAIT_SECONDS = 0.02  # with only disk reads in flight, a step waits this long for one (not a spin)
+
 
 def _kv():
     """kv_cache (numpy), imported when a prompt cache first needs it."""
@@ -83,6 +85,7 @@ class Engine:
                                          spec.draft_max, spec.draft_min, spec.draft_p_min)
         self.end_of_turn = self._single_tokens(END_OF_TURN_MARKERS)
         self.saved = None  # the prompt cache's RAM and disk tiers (prompt_cache.py); None: both off
+        self.restoring: list[tuple] = []  # (DiskRead, msg, tokens, sampler, slot): disk restores read off this thread
         if not runtime.spec.embeddings:
             from daemon.worker.prompt_cache import PromptCache
 
@@ -117,6 +120,7 @@ class Engine:
             if slot.job is not None and slot.job.request_id == request_id:
                 self._finish(slot, "cancelled")
                 return
+        self._cancel_restoring(request_id)
 
     def query(self, msg: p.Query) -> None:
         """One-step work, answered at once (between decode steps); embeddings
@@ -234,7 +238,8 @@ class Engine:
 
     @property
     def busy(self) -> bool:
-        return bool(self.queue) or bool(self.embedding_work) or any(s.job is not None for s in self.slots)
+        return bool(self.queue) or bool(self.embedding_work) or bool(self.restoring) \
+            or any(s.job is not None for s in self.slots)
 
     # -- tokens and text ------------------------------------------------------
 
@@ -335,6 +340,7 @@ class Engine:
 
     def _admit(self) -> None:
         """Move queued requests onto idle slots, best cache match first."""
+        self._finish_restores()
         while self.queue:
             idle = [s for s in self.slots if s.job is None and s.reserved_for is None]
             if not idle or len(idle) < min(self.queue[0].n, len(self.slots)):
@@ -372,29 +378,66 @@ class Engine:
                 scope = msg.cache_scope  # a slot holding another scope's prompt keeps nothing for this one
                 slot = choose_slot(idle, tokens, lambda s: self.keepable(s, tokens, scope))
                 if self.saved is not None:  # the best of RAM and disk, when it beats the slot; the slot's prefix kept
-                    restored = self.saved.before_assign(slot, tokens, self.keepable(slot, tokens, scope), scope)
+                    restored = self.saved.before_assign(slot, tokens, self.keepable(slot, tokens, scope), scope,
+                                                        off_thread=msg.n == 1)
+                    if not isinstance(restored, tuple):  # a disk read, off this thread: the slot waits for it
+                        slot.reserved_for = restored
+                        self.restoring.append((restored, msg, tokens, sampler, slot))
+                        continue
                 self._assign(slot, msg, tokens, sampler, *self.reuse_plan(slot, tokens, scope))
             else:  # the client asked for a fresh read: the least recently used slot, nothing kept
                 slot = min(idle, key=least_recently_used)
                 if self.saved is not None:
                     self.saved.stash(slot, 0)  # what it held still serves its own conversation later
                 self._assign(slot, msg, tokens, sampler, 0)
-            job = slot.job
-            if msg.n > 1:  # the other choices' slots wait, least recently used first, for the prompt's KV
-                others = sorted((s for s in idle if s is not slot), key=least_recently_used)[:msg.n - 1]
-                job.group = Choices(msg.n, job, others)
-                for other in others:
-                    other.reserved_for = job.group
-            job.restored_tokens, job.restore_seconds, job.kv_lookup, job.kv_rejected, job.cache_tier = restored
-            job.restored_tokens = min(job.restored_tokens, job.n_cached)  # the last token is decoded again
-            if job.kv_lookup == "hit" and not job.restored_tokens:  # llama.cpp held less than predicted: no help
-                job.kv_lookup, job.cache_tier = "miss", ""
-            if not job.cache_tier and job.n_cached:
-                job.cache_tier = "slot"
-            if self.saved is not None:
-                self.saved.counted(job.cache_tier, job.n_cached)
-            if msg.messages is not None:
-                slot.job.end_tokens = self.end_of_turn
+            self._started(slot, msg, idle, restored)
+
+    def _finish_restores(self) -> None:
+        """Disk restores whose file the reader has read and checked: into their
+        slot (llama_state_seq_set_data, the one part on this thread), then
+        their prompt starts. With nothing else to step, wait a moment for a
+        read rather than spin (the channel thread answers pings meanwhile)."""
+        if not self.restoring:
+            return
+        idle = any(s.job is None and s.reserved_for is None for s in self.slots)
+        if all(s.job is None for s in self.slots) and not self.embedding_work and not (self.queue and idle):
+            self.restoring[0][0].done.wait(RESTORE_WAIT_SECONDS)
+        for item in [item for item in self.restoring if item[0].done.is_set()]:
+            self.restoring.remove(item)
+            read, msg, tokens, sampler, slot = item
+            slot.reserved_for = None
+            restored = self.saved.finish_read(slot, read)
+            self._assign(slot, msg, tokens, sampler, *self.reuse_plan(slot, tokens, msg.cache_scope))
+            self._started(slot, msg, [slot], restored)
+
+    def _cancel_restoring(self, request_id: str | None = None) -> bool:
+        """Drop the waiting restores of a request (or all): their slots are free
+        again, the reads finish unseen. Whether one was found."""
+        found = [item for item in self.restoring if request_id is None or item[1].request_id == request_id]
+        for item in found:
+            self.restoring.remove(item)
+            item[4].reserved_for = None
+            self.emit(p.Done(item[1].request_id, "cancelled"))
+        return bool(found)
+
+    def _started(self, slot: Slot, msg: p.Submit, idle: list[Slot], restored: tuple) -> None:
+        """A prompt given its slot: its choices' slots reserved, and what the cache gave it counted."""
+        job = slot.job
+        if msg.n > 1:  # the other choices' slots wait, least recently used first, for the prompt's KV
+            others = sorted((s for s in idle if s is not slot), key=least_recently_used)[:msg.n - 1]
+            job.group = Choices(msg.n, job, others)
+            for other in others:
+                other.reserved_for = job.group
+        job.restored_tokens, job.restore_seconds, job.kv_lookup, job.kv_rejected, job.cache_tier = restored
+        job.restored_tokens = min(job.restored_tokens, job.n_cached)  # the last token is decoded again
+        if job.kv_lookup == "hit" and not job.restored_tokens:  # llama.cpp held less than predicted: no help
+            job.kv_lookup, job.cache_tier = "miss", ""
+        if not job.cache_tier and job.n_cached:
+            job.cache_tier = "slot"
+        if self.saved is not None:
+            self.saved.counted(job.cache_tier, job.n_cached)
+        if msg.messages is not None:
+            slot.job.end_tokens = self.end_of_turn
 
     def _check_choices(self, msg: p.Submit) -> None:
         if msg.n > len(self.slots):
@@ -554,6 +597,9 @@ class Engine:
             self._prompt_turn = slot.id + 1
             job = slot.job
             end = min(len(job.prompt), job.n_prompt_done + self.n_batch)
+            at_end = self.reuse.prompt_end_checkpoint(len(job.prompt)) if self.saved is not None else 0
+            if job.n_prompt_done < at_end < end and at_end >= self.saved.min_tokens:
+                end = at_end  # a recurrent state's checkpoint before the last token, which is read alone
             entries = [(slot, job.prompt[i], i == len(job.prompt) - 1) for i in range(job.n_prompt_done, end)]
             job.n_prompt_done = end
             # Before the decode: its last logits may fork n choices, which copy `exact`; a failed decode zeroes it.
@@ -562,7 +608,7 @@ class Engine:
                     and len(slot.cache) == end >= self.saved.min_tokens:
                 last = slot.checkpoints[-1].n if slot.checkpoints else 0
                 every = self.rt.spec.cache_checkpoint_every
-                if end == len(job.prompt) or every > 0 and end - last >= every:
+                if end == at_end or every > 0 and end - last >= every:
                     self._checkpoint(slot)  # a prompt's end (a regenerate comes back here), or every N tokens
         self.report_slots()
 
@@ -787,6 +833,7 @@ class Engine:
         for msg in self.queue:
             self.emit(p.Done(msg.request_id, "cancelled"))
         self.queue.clear()
+        self._cancel_restoring()
         for work in self.embedding_work:
             self.emit(p.Answer(work.msg.request_id, error="cancelled", error_code="cancelled"))
         self.embedding_work.clear()

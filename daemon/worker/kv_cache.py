@@ -14,6 +14,7 @@ from importlib import metadata
 
 import numpy as np
 
+from daemon.worker import prompt_blocks as blocks
 from daemon.worker.llama_lib import llama
 from daemon.worker.reuse import ReuseRule
 from daemon.worker.slot import Checkpoint, Slot, common_prefix
@@ -150,7 +151,7 @@ def slot_state(ctx: ctypes.c_void_p, rule: ReuseRule, slot: Slot, min_tokens: in
 
 
 def take_checkpoint(ctx: ctypes.c_void_p, slot: Slot) -> Checkpoint | None:
-    """The slot's window as it stands (its cache's length now), or None."""
+    """The slot's window or recurrent state as it stands (its cache's length now), or None."""
     size = llama.llama_state_seq_get_size_ext(ctx, slot.id, PARTIAL)
     if size <= 8:
         return None
@@ -159,27 +160,64 @@ def take_checkpoint(ctx: ctypes.c_void_p, slot: Slot) -> Checkpoint | None:
                                              slot.id, PARTIAL)
     if got <= 8:
         return None
-    return Checkpoint(len(slot.cache), state[:got])
+    # A pure recurrent memory ignores the flag (llama_memory_recurrent::state_write): the partial state is the
+    # whole one, which a tier can keep as an entry by itself (there are no attention cells to share).
+    whole = got == llama.llama_state_seq_get_size(ctx, slot.id)
+    return Checkpoint(len(slot.cache), state[:got], whole)
 
 
 def restore_checkpoint(ctx: ctypes.c_void_p, slot: Slot, checkpoint: Checkpoint) -> bool:
-    """Cut the slot back to the checkpoint's length and put its window back.
-    The full-attention cells of those positions are the slot's own (a
-    checkpoint is only kept while the slot holds its tokens). False, the
-    slot left empty, when llama.cpp refused it."""
+    """Cut the slot back to the checkpoint's length and put its window or
+    recurrent state back. The attention cells of those positions are the
+    slot's own (a checkpoint is only kept while the slot holds its tokens).
+    False, the slot left empty, when llama.cpp refused it."""
     memory = llama.llama_get_memory(ctx)
     n = checkpoint.n
-    if n > len(slot.cache) or n < len(slot.cache) and not llama.llama_memory_seq_rm(memory, slot.id, n, -1):
-        llama.llama_memory_seq_rm(memory, slot.id, -1, -1)
-        slot.truncate(0)
-        return False
-    slot.truncate(n)
+    if n > len(slot.cache):
+        return _emptied(memory, slot)
+    # A recurrent memory refuses a partial cut and is left as it was (llama_memory_recurrent::seq_rm;
+    # a hybrid tries its recurrent half first): then the checkpoint's state replaces the recurrent one
+    # first (it ends at n - 1), after which the cut past n only touches a hybrid's attention cells.
+    cut_first = n == len(slot.cache) or llama.llama_memory_seq_rm(memory, slot.id, n, -1)
     state = checkpoint.state
     loaded = llama.llama_state_seq_set_data_ext(ctx, state.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8)), len(state),
                                                 slot.id, PARTIAL)
-    if loaded == 0 or llama.llama_memory_seq_pos_max(memory, slot.id) != n - 1:
-        llama.llama_memory_seq_rm(memory, slot.id, -1, -1)
-        slot.truncate(0)
-        return False
+    if loaded == 0 or not cut_first and not llama.llama_memory_seq_rm(memory, slot.id, n, -1):
+        return _emptied(memory, slot)
+    slot.truncate(n)
+    if llama.llama_memory_seq_pos_max(memory, slot.id) != n - 1:
+        return _emptied(memory, slot)
     slot.exact = 0  # a restored window sits in other cells than a fresh read's
     return True
+
+
+def checkpoint_state(state: np.ndarray, checkpoint: Checkpoint) -> np.ndarray | None:
+    """The whole state of a sequence at checkpoint.n tokens, from `state`, the
+    same sequence's whole state (llama_state_seq_get_data) when it held more;
+    for a hybrid model, whose state prompt_blocks cannot cut into blocks.
+    llama_memory_hybrid::state_write writes the attention cache, then the
+    recurrent one; the checkpoint (the partial flag) is the 8-byte prefix and
+    the recurrent state alone, the same size in every state of the sequence.
+    So: the prefix, the attention cells of positions 0..n-1 (the same
+    whatever followed them), then the checkpoint's recurrent state. None when
+    the attention cache is not one prompt_blocks reads or lacks a position."""
+    recurrent = len(checkpoint.state) - 8
+    if recurrent <= 0 or len(state) <= 8 + recurrent:
+        return None
+    try:
+        parsed = blocks.parse(state[:len(state) - recurrent])
+    except blocks.UnknownLayout:
+        return None
+    cells = parsed.caches[0]
+    if len(parsed.caches) != 1 or isinstance(cells, bytes) or not cells.full() or len(cells.meta) < checkpoint.n:
+        return None
+    caches = [parsed.prefix, [cells.head(checkpoint.n)], bytes(memoryview(checkpoint.state)[8:])]
+    out = np.empty(blocks.state_size(caches), np.uint8)
+    blocks.join_into(out, caches)
+    return out
+
+
+def _emptied(memory: ctypes.c_void_p, slot: Slot) -> bool:
+    llama.llama_memory_seq_rm(memory, slot.id, -1, -1)
+    slot.truncate(0)
+    return False

@@ -36,6 +36,7 @@ llama.cpp and one into the blocks, never for a file.
 from __future__ import annotations
 
 import ctypes
+import os
 import queue
 import sys
 import threading
@@ -49,13 +50,16 @@ import numpy as np
 from daemon import protocol as p
 from daemon.worker import prompt_blocks as blocks
 from daemon.model.kv_files import PrefixIndex, scope_id
+from daemon.worker.disk_reads import DiskRead, DiskReader
 from daemon.worker.disk_tier import SavedPrompts
-from daemon.worker.kv_cache import best_indexed, held_by, load_state, slot_state
+from daemon.worker.kv_cache import best_indexed, checkpoint_state, held_by, load_state, slot_state
 from daemon.worker.llama_lib import llama
 from daemon.worker.reuse import ReuseRule
 from daemon.worker.slot import Slot
 
+WHOLE_SHARE = 0.5  # of the RAM tier's budget at most, the recent entries' states kept whole (RamTier.whole)
 WRITE_QUEUE = 16  # entries waiting for the disk at most; past it a write is skipped (counted), never waited for
+READ_FIRST_SECONDS = 1.0  # the writer waits this long at most for the disk reads in flight before each write
 FLUSH_SECONDS = 10.0  # a sleep waits this long at most for the queued writes (teardown_timeout is 15 s)
 TIERS = ("slot", "ram", "disk")
 
@@ -84,7 +88,15 @@ class Counts:
 
 
 class RamTier:
-    """Entries by block, within a byte budget. Runs on the decode thread only."""
+    """Entries by block, within a byte budget. Runs on the decode thread only.
+
+    The most recently stored entries are also kept whole (their state as
+    llama.cpp gave it, `whole`), in the room the entries leave, at most
+    WHOLE_SHARE of the budget, counted in it: a restore of one is a single
+    llama_state_seq_set_data from it, where joining the blocks first cost a
+    second copy of every byte. A whole copy never pushes an entry out: the
+    copies go first when the tier is over budget (the blocks still hold
+    every entry), so a full tier restores from its blocks."""
 
     def __init__(self, budget: int, rule: ReuseRule) -> None:
         self.budget = budget
@@ -94,6 +106,8 @@ class RamTier:
         self.index = PrefixIndex()  # the entries by chained block keys: a lookup never scans them
         self.bytes = 0
         self.evictions = 0
+        self.whole: OrderedDict[int, np.ndarray] = OrderedDict()  # id(entry) -> its state joined, least recent first
+        self.whole_bytes = 0
 
     def best(self, tokens: list[int], scope: str = "") -> tuple[Entry | None, int]:
         return best_indexed(self.rule, self.index, tokens, scope)
@@ -123,12 +137,37 @@ class RamTier:
             for old, shared in self.index.candidates(tokens, scope):
                 if shared == len(old.tokens) < len(tokens) and id(old) in self.entries:
                     self._drop(old)  # superseded: the new entry restores all it did
-        return self._admit(entry)
+        admitted = self._admit(entry)
+        if admitted is not None and parsed is not None:
+            self._keep_whole(admitted, state)
+        return admitted
+
+    def _keep_whole(self, entry: Entry, state: np.ndarray) -> None:
+        """A whole copy of the entry's state, the least recently stored copies
+        making room (WHOLE_SHARE of the budget at most; none past the budget)."""
+        cap = int(self.budget * WHOLE_SHARE)
+        if len(state) > cap:
+            return
+        while self.whole and (self.whole_bytes + len(state) > cap or self.bytes + len(state) > self.budget):
+            self._drop_whole(next(iter(self.whole)))
+        if self.bytes + len(state) > self.budget:
+            return  # the blocks fill the budget: the entry is restored from them
+        self.whole[id(entry)] = np.array(state, np.uint8, copy=True)
+        self.whole_bytes += len(state)
+        self.bytes += len(state)
+
+    def _drop_whole(self, key: int) -> None:
+        copy = self.whole.pop(key, None)
+        if copy is not None:
+            self.whole_bytes -= len(copy)
+            self.bytes -= len(copy)
 
     def _admit(self, entry: Entry) -> Entry | None:
         self.entries[id(entry)] = entry
         self.index.add(entry, self.rule.replaces(len(entry.tokens)))
         self.bytes += entry.own_bytes
+        while self.bytes > self.budget and self.whole:  # the whole copies first: the blocks restore them too
+            self._drop_whole(next(iter(self.whole)))
         while self.bytes > self.budget and self.entries:
             oldest = next(iter(self.entries.values()))
             self._drop(oldest)
@@ -184,6 +223,7 @@ class RamTier:
 
     def _drop(self, entry: Entry) -> None:
         del self.entries[id(entry)]
+        self._drop_whole(id(entry))
         self.index.remove(entry)
         self.bytes -= entry.own_bytes
         for part in entry.parts[1:]:
@@ -197,7 +237,11 @@ class RamTier:
 
     def caches(self, entry: Entry) -> list:
         """The entry's parts as join_into takes them (the blocks themselves: a
-        writer holding this list keeps them alive whatever the tier drops)."""
+        writer holding this list keeps them alive whatever the tier drops).
+        An entry kept whole: its state alone (joined() hands it over as it is)."""
+        whole = self.whole.get(id(entry))
+        if whole is not None:
+            return [whole]
         out = []
         for part in entry.parts:
             if isinstance(part, list):  # a key, or (key, n): the block's first n positions (a checkpoint's cut)
@@ -211,6 +255,8 @@ class RamTier:
 
     def touch(self, entry: Entry) -> None:
         self.entries.move_to_end(id(entry))
+        if id(entry) in self.whole:
+            self.whole.move_to_end(id(entry))
 
     def summary(self) -> dict[str, int]:
         return {"entries": len(self.entries), "blocks": len(self.store), "bytes": self.bytes,
@@ -230,6 +276,14 @@ def _give_back_freed_memory() -> None:
     try:
         ctypes.CDLL(None).malloc_trim(0)
     except (OSError, AttributeError):  # not glibc
+        pass
+
+
+def _lowest_priority() -> None:
+    """This thread at nice 19 (Linux: setpriority on a thread id sets that thread's own)."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+    except (OSError, AttributeError):  # not Linux, or not allowed: the default priority
         pass
 
 
@@ -262,6 +316,7 @@ class PromptCache:
             except OSError as exc:  # the state directory is unreadable: serve without it
                 print(f"dormouse worker: saved prompt caches unavailable: {exc}", file=sys.stderr, flush=True)
         self.counts = Counts()
+        self.reader = DiskReader(self.disk)  # disk restores read and checked off the decode thread
         self.writes: queue.Queue = queue.Queue(WRITE_QUEUE)
         self.writer: threading.Thread | None = None
         self.timings = {"ram_save": [0, 0.0], "ram_restore": [0, 0.0], "disk_restore": [0, 0.0]}  # bytes, seconds
@@ -274,13 +329,15 @@ class PromptCache:
 
     # -- before a slot is given to a prompt ---------------------------------------
 
-    def before_assign(self, slot: Slot, tokens: list[int], live: int,
-                      scope: str = "") -> tuple[int, float, str, str | None, str]:
+    def before_assign(self, slot: Slot, tokens: list[int], live: int, scope: str = "",
+                      off_thread: bool = False) -> tuple[int, float, str, str | None, str] | DiskRead:
         """Restore the best entry of RAM or disk of the prompt's cache `scope`
         into `slot` when it keeps more than the `live` tokens the slot may
         keep, having stashed what the slot held if it would be lost. Returns
         (tokens restored, seconds, lookup, rejected reason, tier); lookup is
-        "hit", "miss", or "" (not looked)."""
+        "hit", "miss", or "" (not looked). off_thread: a disk entry is read
+        and checked by the reader thread instead, and the DiskRead is returned:
+        the slot waits for it (finish_read, once it is done)."""
         start = time.perf_counter()
         name, scope = scope, scope_id(scope)
         # A restore must keep at least what is worth an entry (kv_min_tokens): not a whole state
@@ -302,11 +359,32 @@ class PromptCache:
                 self.counts.misses += 1
             return 0, 0.0, lookup, None, ""
         self.stash(slot, 0)
-        rejected = self._restore(slot, found, tier)
+        if tier == "disk":  # read and checked by the reader thread, whichever thread waits for it
+            read = self.reader.start(found, name, start)
+            if off_thread:
+                return read
+            read.done.wait()
+            return self.finish_read(slot, read)
+        return self._restored(slot, name, self._restore(slot, found, tier), tier, start)
+
+    def finish_read(self, slot: Slot, read: DiskRead) -> tuple[int, float, str, str | None, str]:
+        """The decode thread's half of a disk restore read off it (read.done is
+        set): the checked state into the slot, one llama_state_seq_set_data.
+        Returns what before_assign does."""
+        rejected = read.reason
+        if rejected is None:
+            rejected = self.disk.install(slot, read.entry, read.state)
+            if rejected is None:
+                self._time("disk_restore", read.entry.state_bytes, read.started)
+        self.reader.release(read)
+        return self._restored(slot, read.scope, rejected, "disk", read.started)
+
+    def _restored(self, slot: Slot, scope: str, rejected: str | None, tier: str,
+                  start: float) -> tuple[int, float, str, str | None, str]:
         if rejected is not None or not slot.cache:
             self.counts.misses += 1
             return 0, time.perf_counter() - start, "miss", rejected, ""
-        slot.scope = name  # the entry was this scope's
+        slot.scope = scope  # the entry was this scope's
         return len(slot.cache), time.perf_counter() - start, "hit", None, tier
 
     def counted(self, tier: str, restored: int) -> None:
@@ -316,19 +394,15 @@ class PromptCache:
             self.counts.restored_tokens[tier] += restored
 
     def _restore(self, slot: Slot, entry, tier: str) -> str | None:
+        """A RAM entry into the slot (a disk entry goes through the reader: before_assign)."""
         start = time.perf_counter()
-        if tier == "ram":
-            if len(self._scratch) < entry.state_bytes:  # grows to the largest entry restored, kept for the next
-                self._scratch = np.empty(_grown(len(self._scratch), entry.state_bytes, self.ram.budget), np.uint8)
-            state = joined(self.ram.caches(entry), self._scratch)
-            ok = load_state(self.ctx, self.rule, slot, entry.tokens, state)
-            self.ram.touch(entry)
-            self._time("ram_restore", len(state), start)
-            return None if ok else "corrupt"
-        rejected = self.disk.load(slot, entry)
-        if rejected is None:
-            self._time("disk_restore", entry.state_bytes, start)
-        return rejected
+        if len(self._scratch) < entry.state_bytes:  # grows to the largest entry restored, kept for the next
+            self._scratch = np.empty(_grown(len(self._scratch), entry.state_bytes, self.ram.budget), np.uint8)
+        state = joined(self.ram.caches(entry), self._scratch)
+        ok = load_state(self.ctx, self.rule, slot, entry.tokens, state)
+        self.ram.touch(entry)
+        self._time("ram_restore", len(state), start)
+        return None if ok else "corrupt"
 
     def _time(self, what: str, size: int, start: float) -> None:
         record = self.timings[what]
@@ -379,7 +453,13 @@ class PromptCache:
             return  # (a state that holds its whole window can be cut back to any checkpoint's length itself)
         for checkpoint in slot.checkpoints:
             if keep < checkpoint.n < len(base.tokens) and checkpoint.n >= self.min_tokens:
-                entry = self.ram.put_checkpoint(base, checkpoint.n, checkpoint.state)
+                if checkpoint.whole or len(base.parts) == 1:  # a recurrent state (a hybrid's too): an entry by itself
+                    tokens = base.tokens[:checkpoint.n]  # (no attention blocks to share with base)
+                    state = checkpoint.state if checkpoint.whole else checkpoint_state(base.parts[0], checkpoint)
+                    held = state is None or self.ram.find(tokens, base.scope) is not None
+                    entry = None if held else self.ram.put(tokens, state, base.scope)
+                else:
+                    entry = self.ram.put_checkpoint(base, checkpoint.n, checkpoint.state)
                 self.counts.evictions["ram"] = self.ram.evictions
                 if entry is not None:
                     self.counts.checkpoints += 1
@@ -418,12 +498,14 @@ class PromptCache:
             self.counts.writes_skipped += 1  # the disk is slower than the turns: this one stays in RAM only
 
     def _write_loop(self) -> None:
+        _lowest_priority()  # a write nobody waits for: the decode thread's cores go to the decode
         while True:
             item = self.writes.get()
             try:
                 if item is None:
                     return
                 tokens, caches, scope = item
+                self.reader.idle.wait(READ_FIRST_SECONDS)  # a restore someone waits for goes first
                 written = self.disk.write(tokens, joined(caches), scope)
                 self.counts.written_bytes += written
                 self.counts.files_written += written > 0
@@ -461,7 +543,8 @@ class PromptCache:
             self.ram.entries.clear()
             self.ram.index.clear()
             self.ram.store.clear()
-            self.ram.bytes = 0
+            self.ram.whole.clear()
+            self.ram.bytes = self.ram.whole_bytes = 0
         self._scratch = self._taken = np.empty(0, np.uint8)
         _give_back_freed_memory()
         c = self.counts

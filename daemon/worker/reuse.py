@@ -86,12 +86,22 @@ class ReuseRule:
 
     @property
     def checkpoints(self) -> bool:
-        """Whether the tiers keep checkpoints of the window: a model with
-        sliding-window layers, outside the deterministic mode (a restored
-        window lands in other cells than a fresh read's, so it is never
-        exact). Recurrent and hybrid models: not yet (their state cannot be
-        cut back in the live slot to where a checkpoint puts it)."""
-        return self.n_swa > 0 and not self.recurrent and not self.deterministic
+        """Whether the tiers keep checkpoints of the window or of the recurrent
+        state: a model with sliding-window layers or recurrent ones, outside
+        the deterministic mode (a restored window lands in other cells than a
+        fresh read's, so it is never exact). A recurrent checkpoint is the
+        state after its n tokens (kv_cache.restore_checkpoint puts it back in
+        place of the slot's, then cuts a hybrid's attention cells to n)."""
+        return (self.n_swa > 0 or self.recurrent) and not self.deterministic
+
+    def prompt_end_checkpoint(self, n_prompt: int) -> int:
+        """Where the prompt's-end checkpoint is taken (0: none): a window can
+        be cut back to n - 1 for a regenerate, which re-reads the last token
+        for its logits; a recurrent state cannot, so its checkpoint is taken
+        one token before the end (the engine reads the last token alone)."""
+        if not self.checkpoints:
+            return 0
+        return n_prompt - 1 if self.recurrent else n_prompt
 
     def savable(self, exact: int) -> int:
         """How many leading tokens the deterministic mode saves of a sequence

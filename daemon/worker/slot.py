@@ -69,13 +69,15 @@ class Choices:
 
 @dataclass
 class Checkpoint:
-    """The window (the sliding-window layers' cells) of a sequence when it held
-    `n` tokens: llama_state_seq_get_data_ext(..., LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY).
-    With the full-attention cells of the same n tokens it restores the
-    sequence at n, where a state saved later (whose window moved on) cannot."""
+    """The window (the sliding-window layers' cells) or the recurrent state of
+    a sequence when it held `n` tokens: llama_state_seq_get_data_ext(...,
+    LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY). With the attention cells of the same
+    n tokens it restores the sequence at n, where a state saved later (whose
+    window moved on, or whose recurrent state took in more tokens) cannot."""
 
     n: int
-    state: object  # uint8 numpy array: the state's 8-byte prefix, then the window cache
+    state: object  # uint8 numpy array: the state's 8-byte prefix, then the window cache or the recurrent state
+    whole: bool = False  # the sequence's whole state (a pure recurrent model: no attention cells beside it)
 
 
 MAX_CHECKPOINTS = 4  # per slot: the newest are kept (a prompt's end, the last turn boundary, every N before)

@@ -191,13 +191,14 @@ def bare_cache(ram_budget: int = 2**30, disk=None, min_tokens: int = 64):
     """A PromptCache with its RAM tier and a stand-in disk tier; no llama.cpp context."""
     import queue
 
+    from daemon.worker.disk_reads import DiskReader
     from daemon.worker.prompt_cache import WRITE_QUEUE, Counts, PromptCache
 
     cache = PromptCache.__new__(PromptCache)
     cache.ctx, cache.rule, cache.min_tokens = None, ReuseRule(chunk=512), min_tokens
     cache.ram = RamTier(ram_budget, cache.rule) if ram_budget else None
     cache.disk, cache.rejected_at_load, cache.counts = disk, {}, Counts()
-    cache.writes, cache.writer = queue.Queue(WRITE_QUEUE), None
+    cache.writes, cache.writer, cache.reader = queue.Queue(WRITE_QUEUE), None, DiskReader(disk)
     cache.timings = {"ram_save": [0, 0.0], "ram_restore": [0, 0.0], "disk_restore": [0, 0.0]}
     cache._scratch = cache._taken = np.empty(0, np.uint8)
     return cache
@@ -280,3 +281,58 @@ def test_a_restore_that_would_keep_fewer_than_min_tokens_is_not_made():
     # Shares 100: restored.
     cache.before_assign(Slot(0), [1, *range(100, 199), *range(900, 1000)], live=0)
     assert restored == [301]
+
+
+# -- issue 26, tier speed: recent entries kept whole, within the budget --
+
+def test_a_recent_entry_is_kept_whole_and_restores_the_same_bytes_without_a_join():
+    tier = RamTier(2**20, ReuseRule(chunk=512))
+    original = state(700, seed=5, window=64)
+    entry = tier.put([1, *range(699)], original)
+    parts = tier.caches(entry)
+    assert len(parts) == 1 and isinstance(parts[0], np.ndarray)  # whole: handed over as it is, no join
+    assert joined(parts) is parts[0] and np.array_equal(parts[0], original)
+    assert not np.shares_memory(parts[0], original)  # a copy: the caller's buffer is reused for the next save
+    del tier.whole[id(entry)]  # the blocks alone join back to the same bytes
+    assert np.array_equal(joined(tier.caches(entry)), original)
+
+
+def test_whole_copies_stay_within_half_the_budget_and_are_counted():
+    one = len(state(300))
+    tier = RamTier(one * 20, ReuseRule(chunk=512))
+    for k in range(12):  # 12 entries' blocks and 8 whole copies fill the 20 (the copies alone could take 10)
+        tier.put([k, *range(299)], state(300, seed=k))
+        assert tier.whole_bytes <= tier.budget // 2 and tier.bytes <= tier.budget
+    assert len(tier.entries) == 12 and len(tier.whole) == 8 and tier.evictions == 0
+    assert list(tier.whole) == [id(e) for e in tier.entries.values()][-len(tier.whole):]  # the most recent
+    held = sum(b[0].nbytes for b in tier.store.values()) + sum(e.own_bytes for e in tier.entries.values())
+    assert tier.bytes == held + tier.whole_bytes == held + sum(len(w) for w in tier.whole.values())
+
+
+def test_a_whole_copy_never_pushes_an_entry_out():
+    one = len(state(300))
+    tier = RamTier(int(one * 2.6), ReuseRule(chunk=512))  # room for two entries' blocks, not for a copy beside them
+    for k in range(2):
+        tier.put([k, *range(299)], state(300, seed=k))
+    assert len(tier.entries) == 2 and tier.evictions == 0  # the copies went, not the entries
+    assert tier.bytes <= tier.budget and tier.whole_bytes <= one
+
+
+def test_a_dropped_or_shrunk_entry_takes_its_whole_copy_with_it():
+    from daemon.worker.prompt_cache import Counts, PromptCache
+
+    cache = PromptCache.__new__(PromptCache)
+    cache.ram, cache.counts = RamTier(2**22, ReuseRule(chunk=512)), Counts()
+    cache._scratch = cache._taken = np.empty(0, np.uint8)
+    a = cache.ram.put([1, *range(299)], state(300, seed=1))
+    longer = cache.ram.put([1, *range(599)], state(600, seed=1))  # supersedes a (full attention)
+    assert id(a) not in cache.ram.entries and id(a) not in cache.ram.whole and id(longer) in cache.ram.whole
+    assert cache.shrink(0) == 0 and not cache.ram.whole and cache.ram.whole_bytes == 0
+
+
+@pytest.mark.parametrize("bad", [np.empty(0, np.uint8), np.zeros(3, np.uint8), np.frombuffer(b"\xd8<\x14\xaf" * 9,
+                                                                                                np.uint8)])
+def test_a_state_the_parser_refuses_is_kept_once_not_twice(bad):
+    tier = RamTier(2**20, ReuseRule(chunk=512))
+    entry = tier.put([1, 2, 3], bad)
+    assert entry is not None and not tier.whole and tier.bytes == len(bad)  # already whole: no second copy

@@ -116,3 +116,39 @@ def test_the_deterministic_mode_saves_only_what_a_restore_puts_back_exactly():
     assert rule.savable(384) == 384
     assert rule.lowest_saved(rule.savable(1024)) == 0
     assert ReuseRule(chunk=128, deterministic=True).savable(1024) == 1024  # full attention: all of it
+
+
+def test_a_recurrent_model_keeps_checkpoints_one_token_before_a_prompts_end():
+    """A recurrent state cannot be cut back, so a regenerate (which re-reads the
+    last token for its logits) needs the state one token before the prompt's
+    end; a window can be cut back to it, so its checkpoint is the prompt's end.
+    The tiers keep each checkpoint: a longer state never stands in for it."""
+    recurrent, window = ReuseRule(chunk=512, recurrent=True), ReuseRule(chunk=512, n_swa=512)
+    assert recurrent.checkpoints and window.checkpoints
+    assert not ReuseRule(chunk=512).checkpoints  # full attention: any saved state can be cut back
+    assert not ReuseRule(chunk=512, recurrent=True, deterministic=True).checkpoints
+    assert recurrent.prompt_end_checkpoint(840) == 839 and window.prompt_end_checkpoint(840) == 840
+    assert ReuseRule(chunk=512).prompt_end_checkpoint(840) == 0
+    for n in (839, 799, 2):
+        assert not recurrent.replaces(n)
+    at = recurrent.prompt_end_checkpoint(840)
+    assert recurrent.keepable(shared=840, n_prompt=840, exact=0, pos_min=recurrent.lowest_saved(at), n_held=at) == 839
+    at = window.prompt_end_checkpoint(840)
+    assert window.keepable(shared=840, n_prompt=840, exact=0, pos_min=window.lowest_saved(at), n_held=at) == 839
+
+
+def test_random_prompts_restore_the_best_recurrent_checkpoint_at_or_below_the_common_prefix():
+    """The engine's choice (Engine.reuse_plan, best_indexed): each checkpoint judged
+    by the rule as a state of its length; the best is the longest at or below
+    both the shared prefix and the prompt less its last token, never past it."""
+    rule = ReuseRule(chunk=512, recurrent=True)
+    rng = random.Random(26)
+    for _ in range(2000):
+        held = sorted(rng.sample(range(1, 3000), rng.randint(1, 6)))
+        n_prompt, shared = rng.randint(1, 3000), rng.randint(0, 3000)
+        shared = min(shared, n_prompt)
+        kept = max((rule.keepable(min(shared, n), n_prompt, 0, rule.lowest_saved(n), n) for n in held), default=0)
+        fits = [n for n in held if n <= shared and n <= n_prompt - 1]
+        assert kept == max(fits, default=0), (held, n_prompt, shared)
+        if kept:
+            assert rule.lowest_saved(kept) == kept - 1  # the restored snapshot's one position

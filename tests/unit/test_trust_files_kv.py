@@ -221,3 +221,142 @@ def test_leftover_temporary_files_of_a_killed_save_are_deleted_in_our_own_direct
 
 def test_the_prefix_struct_is_what_the_docstring_says():
     assert PREFIX.format == "<4sII" and struct.calcsize(PREFIX.format) == 12
+
+
+# -- issue 26, tier speed: format 3 (xxh3-128), one open into a reused buffer, a seal checked once --
+
+def sealed_file(kv_dir, tokens, state: bytes, version: int):
+    """A file as a daemon of `version` wrote it (format 2: blake2b, format 3: xxh3-128)."""
+    header = KvHeader(version, dict(MODEL), dict(LAYOUT), list(tokens), len(state), "")
+    header = msgspec.structs.replace(header, checksum=kv_files.seal(header, state, version))
+    kv_dir.mkdir(parents=True, exist_ok=True)
+    path = kv_dir / tokens_name(tokens)
+    path.write_bytes(raw_file(header, state, version=version))
+    return path
+
+
+def settle(path) -> None:
+    """The file's timestamps moved past SETTLED_NS, as for any file not written this instant."""
+    past = os.stat(path).st_mtime_ns - 2 * kv_files.SETTLED_NS
+    os.utime(path, ns=(past, past))  # (the ctime stays now: VerifiedSeals waits for it too)
+
+
+def test_files_are_written_in_format_3_and_format_2_files_still_read(kv_dir):
+    import hashlib
+
+    import numpy as np
+
+    assert FORMAT_VERSION == 3
+    path = write_file(kv_dir, header_for(TOKENS_A, b"new state"), b"new state")
+    assert PREFIX.unpack(path.read_bytes()[:PREFIX.size])[1] == 3
+    header, state = kv_files.read_sealed(path)
+    assert header.tokens == TOKENS_A and state.tobytes() == b"new state"
+    assert kv_files.seal(header, b"new state", 3) != kv_files.seal(header, b"new state", 2)  # two algorithms
+    old = sealed_file(kv_dir, TOKENS_B, b"old state", 2)
+    header, state = kv_files.read_sealed(old, np.zeros(64, np.uint8))
+    assert state.tobytes() == b"old state" and len(header.checksum) == len(hashlib.blake2b(digest_size=16).hexdigest())
+    assert read_state(old, *read_header(old)) == b"old state"
+    index = KvIndex.scan(kv_dir, MODEL, LAYOUT)
+    assert len(index.entries) == 2 and index.rejected == {}
+
+
+@pytest.mark.parametrize("version", [2, 3])
+@pytest.mark.parametrize("where", ["header", "state", "last byte"])
+def test_read_sealed_rejects_a_flipped_bit_in_either_format(kv_dir, version, where):
+    state = bytes(range(256)) * 4
+    path = sealed_file(kv_dir, TOKENS_A, state, version)
+    raw = bytearray(path.read_bytes())
+    at = {"header": PREFIX.size + 40, "state": len(raw) - len(state) + 100, "last byte": len(raw) - 1}[where]
+    raw[at] ^= 0x10
+    path.write_bytes(bytes(raw))
+    with pytest.raises(KvFileError) as info:
+        kv_files.read_sealed(path)
+    assert info.value.reason == "corrupt"
+
+
+@pytest.mark.parametrize("cut", [1, 100, 1023])
+def test_read_sealed_rejects_a_torn_file_and_never_returns_part_of_it(kv_dir, cut):
+    import numpy as np
+
+    path = sealed_file(kv_dir, TOKENS_A, bytes(1024), 3)
+    path.write_bytes(path.read_bytes()[:-cut])
+    out = np.full(4096, 7, np.uint8)
+    with pytest.raises(KvFileError) as info:
+        kv_files.read_sealed(path, out)
+    assert info.value.reason == "truncated"
+
+
+@pytest.mark.parametrize("claimed", [2**62, -1, "many"])
+def test_a_header_claiming_a_hostile_state_size_is_refused_without_allocating_it(kv_dir, claimed):
+    import numpy as np
+
+    kv_dir.mkdir(parents=True)
+    path = kv_dir / tokens_name(TOKENS_A)
+    body = msgspec.msgpack.encode({"version": 3, "model": MODEL, "layout": LAYOUT, "tokens": TOKENS_A,
+                                   "state_bytes": claimed, "checksum": ""})
+    path.write_bytes(PREFIX.pack(MAGIC, 3, len(body)) + body + b"x" * 10)
+    with pytest.raises(KvFileError) as info:
+        kv_files.read_sealed(path, np.empty(16, np.uint8))
+    assert info.value.reason in ("truncated", "corrupt")
+
+
+def test_read_sealed_fills_the_callers_buffer_when_it_is_large_enough(kv_dir):
+    import numpy as np
+
+    path = sealed_file(kv_dir, TOKENS_A, b"abcdefgh" * 8, 3)
+    buffer = np.zeros(1000, np.uint8)
+    _, state = kv_files.read_sealed(path, buffer)
+    assert np.shares_memory(state, buffer) and state.tobytes() == b"abcdefgh" * 8
+    _, larger = kv_files.read_sealed(path, np.zeros(10, np.uint8))  # too small: a buffer of its own
+    assert larger.tobytes() == b"abcdefgh" * 8
+
+
+def test_a_seal_is_checked_once_per_identity_and_again_after_any_change(kv_dir, monkeypatch):
+    state = b"s" * 4096
+    path = sealed_file(kv_dir, TOKENS_A, state, 3)
+    settle(path)
+    calls = []
+    real_seal = kv_files.seal
+    monkeypatch.setattr(kv_files, "seal", lambda *a, **kw: calls.append(1) or real_seal(*a, **kw))
+    verified = kv_files.VerifiedSeals()
+    monkeypatch.setattr(kv_files.time, "time_ns", lambda: os.stat(path).st_ctime_ns + 2 * kv_files.SETTLED_NS)
+    kv_files.read_sealed(path, verified=verified)
+    kv_files.read_sealed(path, verified=verified)
+    assert len(calls) == 1  # the same file, unchanged: hashed once
+    raw = bytearray(path.read_bytes())
+    raw[-5] ^= 1  # a bit flipped in place: same size, same inode
+    with open(path, "r+b") as f:
+        f.write(bytes(raw))
+    settle(path)  # even with its mtime set back, the ctime moved
+    with pytest.raises(KvFileError) as info:
+        kv_files.read_sealed(path, verified=verified)
+    assert info.value.reason == "corrupt" and len(calls) == 2
+
+
+def test_a_file_changed_within_its_clock_tick_is_never_remembered_as_checked(kv_dir, monkeypatch):
+    path = sealed_file(kv_dir, TOKENS_A, b"t" * 64, 3)
+    verified = kv_files.VerifiedSeals()
+    monkeypatch.setattr(kv_files.time, "time_ns", lambda: os.stat(path).st_ctime_ns + kv_files.SETTLED_NS // 2)
+    kv_files.read_sealed(path, verified=verified)
+    assert not verified.held  # a write in the same tick could leave the same timestamps: check it next time too
+
+
+def test_verified_seals_are_bounded():
+    verified = kv_files.VerifiedSeals(limit=3)
+    for i in range(10):
+        verified.add((1, i, 10, 0, 0), now_ns=10 * kv_files.SETTLED_NS)
+    assert len(verified.held) == 3 and (1, 9, 10, 0, 0) in verified and (1, 0, 10, 0, 0) not in verified
+
+
+def test_a_restored_files_mtime_moves_at_most_once_a_touch_interval(kv_dir):
+    path = write_file(kv_dir, header_for(TOKENS_A, b"abc"), b"abc")
+    past = os.stat(path).st_mtime_ns - int(2 * kv_files.TOUCH_SECONDS * 1e9)
+    os.utime(path, ns=(past, past))  # last used two touch intervals ago
+    index = KvIndex.scan(kv_dir, MODEL, LAYOUT)
+    entry = index.entries[0]
+    before = os.stat(path).st_mtime_ns
+    index.touch(entry)  # last used long ago: the mtime moves (a restart orders by it)
+    moved = os.stat(path).st_mtime_ns
+    assert moved > before
+    index.touch(entry)  # again at once: in memory only (a utime would change the ctime VerifiedSeals knows)
+    assert os.stat(path).st_mtime_ns == moved and entry.used_at >= moved / 1e9 - 1
