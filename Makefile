@@ -15,7 +15,7 @@ BIN := $(VENV)/bin
 export CMAKE_ARGS ?= -DGGML_NATIVE=OFF
 ARGS ?=
 
-.PHONY: serve test test-fast bench venv clean
+.PHONY: serve test test-fast bench docs venv clean
 
 $(BIN)/python:
 	@$(PYTHON) -m venv $(VENV) || { rm -rf $(VENV); echo "make: '$(PYTHON) -m venv' failed: on Debian or Ubuntu \
@@ -48,5 +48,10 @@ test-fast: $(VENV)/.installed-test
 bench: $(VENV)/.installed-test $(VENV)/.installed-bench
 	$(BIN)/python -m bench.report $(ARGS)
 
+# The documentation site (mkdocs.yml, docs/) on http://127.0.0.1:8000, rebuilt on each edit;
+# `make docs ARGS=build` writes it to site/ instead.
+docs: $(VENV)/.installed-docs
+	$(BIN)/mkdocs $(or $(ARGS),serve) --strict
+
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) .pytest_cache site

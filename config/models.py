@@ -14,9 +14,17 @@ fleet of one, as before the fleet existed.
     pinned = true
 
     [models.coder]
-    path = "/models/qwen2.5-coder-7b-q4_k_m.gguf"
+    hf = "Qwen/Qwen2.5-Coder-7B-Instruct-GGUF:Q4_K_M"
     ctx_size = 16384
     sleep_idle_seconds = 120
+
+    [models.coder.llama_options]
+    flash_attn_type = 1
+
+A table names its model by `path` (a GGUF file) or by `hf` (a Hugging Face
+repository, owner/name[:QUANT], as the top-level hf_repo; `hf_file` picks a
+file of it), never both; one that names neither takes the top-level model.
+Its `llama_options` are laid over the top-level ones, key by key.
 """
 
 from __future__ import annotations
@@ -26,7 +34,9 @@ import re
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from config.llama_options import LlamaOptions
 
 MODEL_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
@@ -37,7 +47,7 @@ _UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
 PER_MODEL_KEYS = ("model_draft", "mmproj", "ctx_size", "parallel", "threads", "n_gpu_layers", "batch_size",
                   "chat_template_file", "chat_template", "draft_max", "draft_min", "draft_p_min", "cpu_repack", "warmup",
                   "sleep_idle_seconds", "spawn_ahead", "embeddings", "pooling", "cache_deterministic",
-                  "cache_checkpoint_every", "drowsy_after", "deep_after", "load_mode")
+                  "cache_checkpoint_every", "drowsy_after", "deep_after", "load_mode", "llama_options")
 
 # llama.cpp's built-in chat templates, by name (its llama_chat_builtin_templates;
 # tests/unit/test_chat_templates.py checks this copy against the library).
@@ -87,6 +97,10 @@ class ModelSettings(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     path: Path | None = Field(None, description="GGUF file; empty means the bundled Gemma 3 270M")
+    hf: str | None = Field(None, max_length=256, description="a model by name, owner/name[:QUANT] on Hugging Face "
+                           "(the top-level hf_repo's rules); not with path")
+    hf_file: str | None = Field(None, max_length=1024, description="with hf: this .gguf of the repository")
+    llama_options: LlamaOptions | None = Field(None, description="laid over the top-level llama_options")
     aliases: list[str] = Field(default_factory=list, max_length=32, description="other names requests may use")
     pinned: bool = Field(False, description="never put to sleep to make room for another model")
     model_draft: Path | None = None
@@ -138,12 +152,43 @@ class ModelSettings(BaseModel):
     def _chat_template(cls, value: Any) -> Any:
         return check_chat_template(value)
 
+    @field_validator("hf")
+    @classmethod
+    def _hub_name(cls, value: str | None) -> str | None:
+        from daemon.model.hub import parse_hf_repo  # plain Python: the syntax only, no request
+
+        return None if value is None else str(parse_hf_repo(value))
+
+    @field_validator("hf_file")
+    @classmethod
+    def _hub_file(cls, value: str | None) -> str | None:
+        from daemon.model.hub import check_repo_file
+
+        return None if value is None else check_repo_file(value)
+
+    @model_validator(mode="after")
+    def _one_model(self) -> "ModelSettings":
+        if self.path is not None and self.hf is not None:
+            raise ValueError(f"path and hf are both set ({str(self.path)[:120]!r} and {self.hf!r}): a table names "
+                             "one model, a local GGUF file or a Hugging Face repository to download it from")
+        if self.hf_file is not None and self.hf is None:
+            raise ValueError("hf_file names a file of the table's hf repository, and the table sets no hf")
+        return self
+
     def overrides(self) -> dict[str, Any]:
         """The settings this table changes, under the top-level names."""
         out = {key: getattr(self, key) for key in PER_MODEL_KEYS if getattr(self, key) is not None}
         if self.path is not None:
             out["model"] = self.path
+        if self.hf is not None:
+            out["hf_repo"] = self.hf
+            if self.hf_file is not None:
+                out["hf_file"] = self.hf_file
         return out
+
+    def names_its_own_model(self) -> bool:
+        """A path or a model by name: the top-level model and hf_repo do not reach this table."""
+        return self.path is not None or self.hf is not None
 
 
 def check_model_ids(models: dict[str, ModelSettings]) -> None:

@@ -114,8 +114,9 @@ class Settings(BaseSettings):
     hf_repo: str | None = Field(None, max_length=256, description="a Hugging Face repository to take the model from, "
                                 "owner/name[:QUANT] (llama-server's -hf): the quant tag picks the .gguf whose name "
                                 "holds it; none: Q4_K_M, else the first; a projector (mmproj) comes along. Downloaded "
-                                "at start into huggingface_hub's cache (HF_HOME), or found there; HF_TOKEN, "
-                                "HF_ENDPOINT and HF_HUB_OFFLINE apply. Not with `model`")
+                                "at start into state_dir/models (huggingface_hub's cache layout; HF_HUB_CACHE or "
+                                "HF_HOME, when set, names another cache), or found there (`dormouse pull` fetches "
+                                "ahead); HF_TOKEN, HF_ENDPOINT and HF_HUB_OFFLINE apply. Not with `model`")
     hf_file: str | None = Field(None, max_length=1024, description="with hf_repo: this .gguf of the repository "
                                 "rather than the one the quant tag picks (llama-server's --hf-file)")
     model_draft: Path | None = Field(None, description="draft model for speculative decoding")
@@ -259,7 +260,10 @@ class Settings(BaseSettings):
     log_format: Literal["auto", "console", "json"] = "auto"
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     shutdown_timeout: float = Field(30, ge=0, description="how long SIGTERM lets in-flight requests finish; with teardown_timeout it must fit systemd's TimeoutStopSec")
-    state_dir: Path | None = Field(None, description="where the bundled model is written; default $STATE_DIRECTORY or ~/.cache/dormouse")
+    state_dir: Path | None = Field(None, description="the daemon's own files: models by name (models/), saved prompt "
+                                   "caches (kv/), footprints, wake history, the lock; default $STATE_DIRECTORY or "
+                                   "~/.cache/dormouse. The bundled model is one shared copy beside, not in it: "
+                                   "$CACHE_DIRECTORY/bundled or ~/.cache/dormouse/bundled")
     worker_module: str = Field("daemon.worker", description="module run as the worker (tests use a fake)")
     metrics_compat: Annotated[list[Literal["llamacpp", "vllm", "otel"]], NoDecode] = Field(
         default_factory=list,
@@ -520,22 +524,29 @@ def load_settings(config_file: str | Path | None = None, cli: dict[str, Any] | N
             problems.append(f"{where}: {err['msg']} (from {_where(key, cli, toml_file, toml_data)})")
         raise ConfigError("invalid configuration:\n  " + "\n  ".join(problems)) from None
     settings = Settings.model_construct(**dict(layered_settings))
-    _check_top_level_model(settings, _where("model", cli, toml_file, toml_data))
+    _check_top_level_model(settings, lambda key: _where(key, cli, toml_file, toml_data))
     return settings
 
 
-def _check_top_level_model(settings: Settings, where: str) -> None:
-    """A top-level `model` beside [models.ID] tables is the path the tables that set none inherit. When
-    every table sets its own path nothing serves it: refused, not dropped without a word. (Not made a
-    model of the fleet on its own: the same line would then mean two things, the tables' shared
-    default and a model with an id nobody chose.)"""
-    def names_its_own(table: ModelSettings) -> bool:  # a path, or a model by name (hf), if tables take one
-        return table.path is not None or bool(getattr(table, "hf", None) or getattr(table, "hf_repo", None))
-
-    if settings.model is None or not settings.models or not all(map(names_its_own, settings.models.values())):
+def _check_top_level_model(settings: Settings, where) -> None:
+    """A top-level `model` (or `hf_repo`, `hf_file`) beside [models.ID] tables is the model the tables that
+    name none inherit. When every table names its own (path or hf) nothing serves it: refused, not dropped
+    without a word. (Not made a model of the fleet on its own: the same line would then mean two things,
+    the tables' shared default and a model with an id nobody chose.) `where(key)` names a key's layer."""
+    if not settings.models or not all(table.names_its_own_model() for table in settings.models.values()):
         return
-    stem = Path(settings.model).stem
-    model_id = stem if MODEL_ID.fullmatch(stem) else "main"
-    raise ConfigError(f"model = {str(settings.model)!r} (from {where}) is served by no model: every [models.ID] "
-                      f"table sets its own path. Move it into a table of its own ([models.{model_id}] path = "
-                      f"{json.dumps(str(settings.model))}), or remove it")
+    if settings.model is not None:
+        stem = Path(settings.model).stem
+        model_id = stem if MODEL_ID.fullmatch(stem) else "main"
+        raise ConfigError(f"model = {str(settings.model)!r} (from {where('model')}) is served by no model: every "
+                          f"[models.ID] table sets its own path or hf. Move it into a table of its own "
+                          f"([models.{model_id}] path = {json.dumps(str(settings.model))}), or remove it")
+    for key in ("hf_repo", "hf_file"):
+        value = getattr(settings, key)
+        if value:
+            table_key = "hf" if key == "hf_repo" else key
+            repo = str(value).partition(":")[0].rsplit("/", 1)[-1]
+            model_id = repo if MODEL_ID.fullmatch(repo) else "main"
+            raise ConfigError(f"{key} = {str(value)[:120]!r} (from {where(key)}) is served by no model: every "
+                              f"[models.ID] table sets its own path or hf. Move it into a table of its own "
+                              f"([models.{model_id}] {table_key} = {json.dumps(str(value)[:256])}), or remove it")

@@ -59,7 +59,7 @@ _FLAGS: list[tuple[str, dict[str, Any]]] = [
     ("--log-format", {"choices": ["auto", "console", "json"]}),
     ("--log-level", {"choices": ["debug", "info", "warning", "error"]}),
     ("--shutdown-timeout", {"type": float, "help": "seconds SIGTERM lets in-flight requests finish (default 30)"}),
-    ("--state-dir", {"help": "where the bundled model is written"}),
+    ("--state-dir", {"help": "state directory: prompt cache, wake history, models by name (default $STATE_DIRECTORY or ~/.cache/dormouse)"}),
     ("--agent-port", {"type": int, "help": "answer HAProxy's agent check on this port (default off)"}),
     ("--drain-grace-seconds", {"type": float, "help": "with --agent-port: after SIGTERM, answer weight 0 and keep "
                                                       "serving this long (default 2)"}),
@@ -160,8 +160,10 @@ def _main(argv: list[str] | None) -> int:
     from daemon.model.gguf_check import check_plan_files
 
     try:
-        plans = model_plans(settings)
+        plans = model_plans(settings, fetch=command != "check-config")  # check-config downloads nothing
         for plan in plans:
+            if plan.hub is not None and not plan.files_present:
+                continue  # a model by name not fetched yet: serve checks its files once downloaded
             try:
                 check_plan_files(plan.model_path, plan.settings)
             except ModelFileError as exc:
@@ -214,7 +216,10 @@ def _check_config(settings, plans, config_file: str | None = None) -> int:
             "prediction_error": plan.predicted_error,
             "measured_bytes": plan.measured,
             "settings": {k: str(v) if hasattr(v, "__fspath__") else v for k, v in plan.overrides.items()},
+            "hub": plan.hub,  # a model by name: "found in the cache at ..." or "would download ... into ..."
         }
+        if plan.hub is not None:
+            print(f"dormouse: model {plan.id}: {plan.hub}", file=sys.stderr)
     print(json.dumps({"read": read, "state_dir": {"path": str(state_dir(settings)), "warning": warning},
                       "settings": settings.public_dict(), "models": models,
                       "memory_budget": {"bytes": budget.bytes, "from": budget.how},

@@ -17,7 +17,7 @@ import psutil
 from config import Settings
 from config.models import MODEL_ID
 from daemon.gpu import Nvml
-from daemon.model.files import ModelFileError, resolve_model_files, state_dir
+from daemon.model.files import ModelFileError, model_files, state_dir
 from daemon.model.footprint import Footprint, predict
 from daemon.model.footprint_store import FootprintStore, footprint_key
 from daemon.model.gguf_header import GgufError
@@ -39,6 +39,12 @@ class ModelPlan:
     measured: dict[str, int] | None = None  # per component, from an earlier load of the same files and settings
     key: str | None = None  # the footprint store's key
     overrides: dict[str, Any] = field(default_factory=dict)
+    hub: str | None = None  # check-config, a model by name: "found in the cache at ..." or "would download ..."
+
+    @property
+    def files_present(self) -> bool:
+        """False for a model by name that check-config did not download: its files cannot be checked yet."""
+        return bool(self.model_path) and Path(self.model_path).is_file()
 
     @property
     def predicted_bytes(self) -> int:
@@ -53,25 +59,40 @@ class ModelPlan:
         return self.is_default or self.pinned
 
 
-def model_plans(settings: Settings, log=None) -> list[ModelPlan]:
-    """Each configured model with its settings and checked files. Raises ModelFileError."""
+def model_plans(settings: Settings, log=None, fetch: bool = True) -> list[ModelPlan]:
+    """Each configured model with its settings and checked files. Raises ModelFileError.
+
+    fetch=False (check-config) downloads nothing: a model by name is looked up (the hub's listing and
+    sizes, or the cache's), and its plan's `hub` line says what serve would download or found."""
     if not settings.models:
-        path = resolve_model_files(settings)
+        path, hub = model_files(settings, fetch)
         stem = Path(path).stem  # the id clients see in /v1/models, and a directory name under state_dir/kv
         model_id = stem if MODEL_ID.fullmatch(stem) and stem.strip(".") else "default"
-        return [ModelPlan(model_id, settings, path, is_default=True)]
+        return [ModelPlan(model_id, settings, path, is_default=True, hub=hub)]
     default = settings.default_model or next(iter(settings.models))
     plans = []
     for model_id, table in settings.models.items():
         overrides = table.overrides()
-        own = settings.model_copy(update={**overrides, "models": {}})
+        own = settings.model_copy(update={**_own_model(settings, table, overrides), "models": {}})
         try:
-            path = resolve_model_files(own)
+            path, hub = model_files(own, fetch)
         except ModelFileError as exc:
             raise ModelFileError(f"[models.{model_id}]: {exc}") from None
         plans.append(ModelPlan(model_id, own, path, tuple(table.aliases), table.pinned, model_id == default,
-                               overrides=overrides))
+                               overrides=overrides, hub=hub))
     return plans
+
+
+def _own_model(settings: Settings, table, overrides: dict[str, Any]) -> dict[str, Any]:
+    """The table's settings over the top level's. A table that names its own model (path or hf) takes none
+    of the top-level model keys (a top-level hf_file belongs to the top-level repository); its llama_options
+    are laid over the top-level ones, key by key (a shared flash_attn_type, a model's own rope_freq_base)."""
+    update = dict(overrides)
+    if table.names_its_own_model():
+        update = {"model": None, "hf_repo": None, "hf_file": None, **update}
+    if table.llama_options is not None:
+        update["llama_options"] = {**settings.llama_options, **table.llama_options}
+    return update
 
 
 def add_footprints(plans: list[ModelPlan], store: FootprintStore | None, log=None) -> None:

@@ -1,7 +1,9 @@
 """A model by name: `owner/repo[:QUANT]` on Hugging Face to local GGUF files.
 
-The downloads go through huggingface_hub: its cache (HF_HOME, HF_HUB_CACHE),
-resumable downloads with size checks, HF_TOKEN for private and gated repos,
+The downloads go through huggingface_hub: its cache layout, kept under
+state_dir/models unless HF_HUB_CACHE or HF_HOME names a cache (hub_cache_dir),
+downloads with size checks (huggingface_hub 2.x restarts a cut download, into a
+temporary file, rather than resuming it), HF_TOKEN for private and gated repos,
 HF_ENDPOINT for a mirror, HF_HUB_OFFLINE for the cache alone. Which file a
 repository's listing yields is decided as llama-server's `-hf` decides it
 (vendor/llama.cpp common/download.cpp: find_best_model, find_best_sibling),
@@ -23,7 +25,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 MAX_REPO_ID = 96  # the hub's own limit (huggingface_hub.utils.validate_repo_id)
 MAX_SPEC = 256  # anything longer is refused before it is even parsed
@@ -217,8 +219,9 @@ def _cached_files(cache: Path, repo_id: str, revision: str) -> list[str] | None:
     return sorted(p.relative_to(snapshot).as_posix() for p in snapshot.rglob("*") if p.is_file())
 
 
-def _list_repo(name: HubName, revision: str, endpoint: str, token: str | None) -> list[str]:
-    """The repository's file names, from the hub. Raises HubError, or ConnectionError when the hub cannot be reached."""
+def _list_repo(name: HubName, revision: str, endpoint: str, token: str | None) -> tuple[list[str], str | None]:
+    """The repository's file names and its commit, from the hub. Raises HubError, or ConnectionError when the
+    hub cannot be reached."""
     import httpx2
     from huggingface_hub import HfApi
     from huggingface_hub.errors import (GatedRepoError, HfHubHTTPError, OfflineModeIsEnabled, RepositoryNotFoundError,
@@ -243,7 +246,9 @@ def _list_repo(name: HubName, revision: str, endpoint: str, token: str | None) -
                            "it") from None
         raise HubError(f"{endpoint} answered {status} for {name.repo_id}: {_one_line(exc)[:200]}") from None
     # A name that could leave the snapshot folder (a hostile or broken listing) is never a candidate.
-    return [s.rfilename for s in info.siblings or [] if isinstance(s.rfilename, str) and _plain_path(s.rfilename)]
+    files = [s.rfilename for s in info.siblings or [] if isinstance(s.rfilename, str) and _plain_path(s.rfilename)]
+    commit = info.sha if isinstance(info.sha, str) and re.fullmatch(r"[0-9a-f]{40}", info.sha) else None
+    return files, commit
 
 
 def _plain_path(name: str) -> bool:
@@ -251,15 +256,38 @@ def _plain_path(name: str) -> bool:
                                              for part in name.split("/"))
 
 
-def pull(spec: str, hf_file: str | None = None, *, revision: str = "main", endpoint: str | None = None,
-         cache_dir: str | Path | None = None, token: str | None = None, offline: bool | None = None,
-         progress: type | None = None, with_mmproj: bool = True) -> PulledModel:
-    """Download (or find in the cache) the model `spec` names, and its projector. Raises HubError.
+def hub_cache_dir(state_directory: str | Path) -> Path:
+    """Where models by name are kept: huggingface_hub's cache layout (models--owner--name/blobs, snapshots)
+    under `state_dir/models`, so `pull` and `serve` agree and a systemd unit (DynamicUser, ProtectHome) needs
+    nothing more than its StateDirectory. A cache the user chose explicitly wins: HF_HUB_CACHE, else
+    HF_HOME/hub (one cache shared with llama.cpp, transformers and the `hf` CLI). huggingface_hub's default,
+    ~/.cache/huggingface, is not used unless named: it may be read-only or another user's home."""
+    import os
 
-    endpoint, cache_dir, offline: huggingface_hub's (HF_ENDPOINT, HF_HUB_CACHE or HF_HOME, HF_HUB_OFFLINE)
-    when None; token None: HF_TOKEN or the saved login. progress: a tqdm class (None: the library's bars,
-    shown on a terminal). An unreachable hub falls back to the cache, as llama-server does.
-    """
+    for variable in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE"):
+        if os.environ.get(variable):
+            return Path(os.path.expanduser(os.environ[variable]))
+    if os.environ.get("HF_HOME"):
+        return Path(os.path.expanduser(os.environ["HF_HOME"])) / "hub"
+    return Path(state_directory) / "models"
+
+
+@dataclass(frozen=True)
+class _Listing:
+    name: HubName
+    parts: list[str]
+    mmproj: str | None
+    commit: str | None  # the hub's commit, when the hub was asked and said
+    from_cache: bool
+    why_cache: str  # why the hub was not asked (or could not be)
+    endpoint: str
+    cache: Path
+
+
+def _settle(spec: str, hf_file: str | None, revision: str, endpoint: str | None, cache_dir: str | Path | None,
+            token: str | None, offline: bool | None, with_mmproj: bool) -> _Listing:
+    """Which files `spec` means: from the hub's listing, or the cache's when the hub is not to be (or cannot
+    be) asked. Nothing is downloaded. Raises HubError."""
     name = parse_hf_repo(spec)
     if hf_file is not None:
         check_repo_file(hf_file)
@@ -268,10 +296,10 @@ def pull(spec: str, hf_file: str | None = None, *, revision: str = "main", endpo
     endpoint = (endpoint or constants.ENDPOINT).rstrip("/")
     cache = Path(cache_dir or constants.HF_HUB_CACHE)
     offline = constants.is_offline_mode() if offline is None else offline
-    files, why_cache = None, "HF_HUB_OFFLINE is set"
+    files, commit, why_cache = None, None, "HF_HUB_OFFLINE is set"
     if not offline:
         try:
-            files = _list_repo(name, revision, endpoint, token)
+            files, commit = _list_repo(name, revision, endpoint, token)
         except ConnectionError as exc:
             why_cache = f"cannot reach the hub at {endpoint} ({exc})"
     from_cache = files is None
@@ -284,10 +312,25 @@ def pull(spec: str, hf_file: str | None = None, *, revision: str = "main", endpo
         parts, mmproj = choose_files(name, files, hf_file)
     except HubError as exc:
         raise HubError(f"{exc} (listed from the cache {cache}: {why_cache})" if from_cache else str(exc)) from None
-    wanted = parts + ([mmproj] if mmproj and with_mmproj else [])
-    local = [_download(name, f, revision, endpoint, cache, token, from_cache, progress) for f in wanted]
-    return PulledModel(name, local[0], tuple(local[:len(parts)]),
-                       local[-1] if mmproj and with_mmproj else None, from_cache)
+    return _Listing(name, parts, mmproj if with_mmproj else None, commit, from_cache, why_cache, endpoint, cache)
+
+
+def pull(spec: str, hf_file: str | None = None, *, revision: str = "main", endpoint: str | None = None,
+         cache_dir: str | Path | None = None, token: str | None = None, offline: bool | None = None,
+         progress: type | None = None, with_mmproj: bool = True) -> PulledModel:
+    """Download (or find in the cache) the model `spec` names, and its projector. Raises HubError.
+
+    endpoint, cache_dir, offline: huggingface_hub's (HF_ENDPOINT, HF_HUB_CACHE or HF_HOME, HF_HUB_OFFLINE)
+    when None (the daemon passes hub_cache_dir(state_dir)); token None: HF_TOKEN or the saved login.
+    progress: a tqdm class (None: the library's bars, shown on a terminal). An unreachable hub falls back to
+    the cache, as llama-server does.
+    """
+    found = _settle(spec, hf_file, revision, endpoint, cache_dir, token, offline, with_mmproj)
+    wanted = found.parts + ([found.mmproj] if found.mmproj else [])
+    local = [_download(found.name, f, revision, found.endpoint, found.cache, token, found.from_cache, progress)
+             for f in wanted]
+    return PulledModel(found.name, local[0], tuple(local[:len(found.parts)]),
+                       local[-1] if found.mmproj else None, found.from_cache)
 
 
 def _download(name: HubName, filename: str, revision: str, endpoint: str, cache: Path, token: str | None,
@@ -304,3 +347,127 @@ def _download(name: HubName, filename: str, revision: str, endpoint: str, cache:
                        else f"{name.repo_id} lists {filename} but the hub does not serve it") from None
     except (HfHubHTTPError, httpx2.HTTPError, OSError, ValueError) as exc:
         raise HubError(f"downloading {filename} from {name.repo_id} failed: {_one_line(exc)}") from None
+
+
+# -- what a pull would do, without doing it (check-config) --
+
+@dataclass(frozen=True)
+class HubFile:
+    filename: str  # inside the repository
+    cached: Path | None  # its snapshot path when the cache holds it at the commit that would be used
+    size: int | None  # bytes, from the hub's HEAD answer (None: cached, or the hub did not say)
+    digest: str | None  # the hub's ETag: a large file's sha256
+
+
+@dataclass(frozen=True)
+class HubLookup:
+    name: HubName
+    files: tuple[HubFile, ...]  # the model's parts, then the projector
+    mmproj: bool  # the last of files is the projector
+    cache: Path
+    from_cache: bool  # listed from the cache: the hub was not asked
+    why_cache: str
+    snapshot: Path | None  # the folder the files are (or will be) in; None: the hub named no commit
+
+    @property
+    def model_path(self) -> Path | None:
+        """The model's path once pulled (where it is now, when the cache holds it)."""
+        first = self.files[0]
+        return first.cached or (self.snapshot / first.filename if self.snapshot else None)
+
+    @property
+    def complete(self) -> bool:
+        return all(f.cached is not None for f in self.files)
+
+    @property
+    def missing_bytes(self) -> int | None:
+        sizes = [f.size for f in self.files if f.cached is None]
+        return None if None in sizes else sum(sizes)
+
+    def describe(self) -> str:
+        """One line for check-config: found in the cache at PATH, or would download NAME (N bytes) into DIR."""
+        if self.complete:
+            where = f"found in the cache at {self.files[0].cached}"
+            return where + (f" (projector {self.files[-1].cached})" if self.mmproj else "")
+        missing = [f.filename for f in self.files if f.cached is None]
+        size = f"{self.missing_bytes} bytes" if self.missing_bytes is not None else "size unknown"
+        return f"would download {self.name} ({size}: {_listed(missing)}) into {self.cache}"
+
+
+def lookup(spec: str, hf_file: str | None = None, *, revision: str = "main", endpoint: str | None = None,
+           cache_dir: str | Path | None = None, token: str | None = None, offline: bool | None = None,
+           with_mmproj: bool = True) -> HubLookup:
+    """What `pull` would fetch and what the cache already holds, asking the hub for the listing and each
+    missing file's size (HEAD) but downloading nothing. Offline, the cache alone answers, and a model it
+    lacks is a HubError (serve would fail the same way)."""
+    found = _settle(spec, hf_file, revision, endpoint, cache_dir, token, offline, with_mmproj)
+    wanted = found.parts + ([found.mmproj] if found.mmproj else [])
+    commit = found.commit or _cached_commit(found.cache, found.name.repo_id, revision)
+    files = []
+    for filename in wanted:
+        cached = _in_snapshot(found.cache, found.name.repo_id, commit, filename)
+        size = digest = None
+        if cached is None and found.from_cache:
+            raise HubError(f"{found.why_cache}, and {filename} of {found.name.repo_id} is not in the cache "
+                           f"{found.cache}")
+        if cached is None:
+            size, digest = _file_metadata(found, filename, revision, token)
+        files.append(HubFile(filename, cached, size, digest))
+    snapshot = _snapshot_folder(found.cache, found.name.repo_id, commit)
+    return HubLookup(found.name, tuple(files), found.mmproj is not None, found.cache, found.from_cache,
+                     found.why_cache, snapshot.absolute() if snapshot else None)
+
+
+def _cached_commit(cache: Path, repo_id: str, revision: str) -> str | None:
+    from huggingface_hub.file_download import repo_folder_name
+
+    if re.fullmatch(r"[0-9a-f]{40}", revision):
+        return revision
+    try:
+        return (cache / repo_folder_name(repo_id=repo_id, repo_type="model") / "refs" / revision).read_text().strip()
+    except OSError:
+        return None
+
+
+def _snapshot_folder(cache: Path, repo_id: str, commit: str | None) -> Path | None:
+    from huggingface_hub.file_download import repo_folder_name
+
+    if commit is None or not re.fullmatch(r"[0-9a-f]{40}", commit):
+        return None
+    return cache / repo_folder_name(repo_id=repo_id, repo_type="model") / "snapshots" / commit
+
+
+def _in_snapshot(cache: Path, repo_id: str, commit: str | None, filename: str) -> Path | None:
+    """The file's snapshot path when the cache holds it whole at `commit` (a link to a present blob)."""
+    folder = _snapshot_folder(cache, repo_id, commit)
+    path = folder / filename if folder else None
+    return path.absolute() if path is not None and path.is_file() else None
+
+
+def _file_metadata(found: _Listing, filename: str, revision: str, token: str | None) -> tuple[int | None, str | None]:
+    """(size, sha256) of a file from the hub's HEAD answer; (None, None) when it cannot say."""
+    from urllib.parse import quote
+
+    import httpx2
+    from huggingface_hub import get_hf_file_metadata
+    from huggingface_hub.errors import HfHubHTTPError
+
+    # The hub's resolve URL, built here: hf_hub_url swaps in `endpoint` only where its template (made from
+    # HF_ENDPOINT at import) still matches the library's current endpoint.
+    url = f"{found.endpoint}/{found.name.repo_id}/resolve/{quote(revision, safe='')}/{quote(filename)}"
+    try:
+        meta = get_hf_file_metadata(url, token=token, endpoint=found.endpoint)
+    except (HfHubHTTPError, httpx2.HTTPError, OSError, ValueError):
+        return None, None
+    etag = (meta.etag or "").strip('"').removeprefix("W/").strip('"')
+    return meta.size, etag if re.fullmatch(r"[0-9a-f]{64}", etag) else None
+
+
+# -- Ollama's /api/pull (daemon/model/hub_ollama_pull.py) --
+
+def pull_for_api(name: Any, settings) -> Iterator[dict[str, Any]]:
+    """Ollama's /api/pull from this module's code: progress objects in Ollama's shape (status, digest, total,
+    completed; {"error": ...} last on a failure). See daemon/model/hub_ollama_pull.py."""
+    from daemon.model.hub_ollama_pull import pull_stream
+
+    return pull_stream(name, settings)

@@ -166,13 +166,20 @@ def test_the_pull_command_honours_the_hub_environment(hub, real_gguf, tmp_path):
     assert missing.stderr.count("\n") == 1 and "was not found" in missing.stderr and "Traceback" not in missing.stderr
 
 
-def test_hf_repo_at_start_resolves_to_the_cache_and_its_projector(hub, tmp_path):
+def test_check_config_says_what_hf_repo_would_download_and_fetches_nothing(hub, real_gguf, tmp_path):
     env = {"HF_ENDPOINT": hub.url, "HF_HOME": str(tmp_path / "hf"), "DORMOUSE_STATE_DIR": str(tmp_path / "state")}
-    done = _dormouse("-m", "daemon", "check-config", "--config", _config(tmp_path, f'hf_repo = "{REPO}:Q8_0"'), env=env)
+    config = _config(tmp_path, f'hf_repo = "{REPO}:Q8_0"')
+    done = _dormouse("-m", "daemon", "check-config", "--config", config, env=env)
     assert done.returncode == 0, done.stderr
+    size = len(real_gguf["q8"]) + len(real_gguf["mmproj"])
+    assert (f"would download {REPO}:Q8_0 ({size} bytes: tiny-Q8_0.gguf, mmproj-tiny-f16.gguf) into "
+            f"{tmp_path / 'hf' / 'hub'}") in done.stderr
+    assert hub.downloads() == []
+    assert _dormouse("-m", "daemon.pull", f"{REPO}:Q8_0", env=env).returncode == 0
+    found = _dormouse("-m", "daemon", "check-config", "--config", config, env=env)
     snapshot = tmp_path / "hf" / "hub" / "models--test-org--tiny-GGUF" / "snapshots"
-    assert f'"mmproj": "{snapshot}/' in done.stdout  # the repository's projector, as llama-server's -hf
-    assert hub.downloads("tiny-Q8_0.gguf") == [f"/{REPO}/resolve/main/tiny-Q8_0.gguf"]
+    assert f"found in the cache at {snapshot}/" in found.stderr
+    assert f'"mmproj": "{snapshot}/' in found.stdout  # the repository's projector, as llama-server's -hf
 
 
 @pytest.mark.parametrize("lines, expected", [
