@@ -333,8 +333,14 @@ async def errors_and_access(request: web.Request, handler):
 
 
 def build_app(fleet: Fleet, settings: Settings, metrics: MetricFamilies, log) -> web.Application:
-    from daemon.http import (admin_routes, anthropic_messages, infill, llama_routes, ollama_api, openai_routes, rerank,
-                             responses, slot_files, ui)
+    from daemon.http.admin import routes as admin_routes
+    from daemon.http.dialects.anthropic import routes as anthropic_messages
+    from daemon.http.dialects.llama_server import infill, rerank, slot_files
+    from daemon.http.dialects.llama_server import routes as llama_routes
+    from daemon.http.dialects.ollama import routes as ollama_api
+    from daemon.http.dialects.openai import routes as openai_routes
+    from daemon.http.dialects.responses import routes as responses
+    from daemon.http.status import page as ui
 
     from daemon.http.cold_start import cold_start_headers, max_wait_header
 

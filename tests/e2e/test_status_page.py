@@ -214,7 +214,7 @@ class FakeDaemon:
 @pytest.fixture
 def broken_static(tmp_path, monkeypatch):
     """A copy of the page's files that the test may break; the daemon serves it."""
-    from daemon.http import ui
+    from daemon.http.status import page as ui
 
     copy = tmp_path / "static"
     shutil.copytree(ui.STATIC, copy)

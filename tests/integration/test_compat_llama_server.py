@@ -73,7 +73,7 @@ async def test_v1_health_is_a_probe_behind_the_metrics_key():
 
 
 def test_system_fingerprint_follows_the_model_file_not_the_process(tmp_path):
-    from daemon.http.shapes import _fingerprint, system_fingerprint
+    from daemon.http.dialects.openai.shapes import _fingerprint, system_fingerprint
 
     model = tmp_path / "m.gguf"
     model.write_bytes(b"GGUF" + b"a" * 4096)

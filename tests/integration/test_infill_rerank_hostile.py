@@ -12,7 +12,7 @@ import json
 import pytest
 
 from daemon import protocol as p
-from daemon.http.infill import InfillRequest, pick_fields
+from daemon.http.dialects.llama_server.infill import InfillRequest, pick_fields
 from tests.integration.test_http_hardening import daemon, error_of
 
 RERANK_PATHS = ["/v1/rerank", "/rerank", "/reranking", "/v1/reranking"]

@@ -12,7 +12,7 @@ import json
 import pytest
 
 from daemon import protocol as p
-from daemon.http import schemas
+from daemon.http.core import schemas
 from daemon.model.jobs import Job
 from tests.integration.test_http_hardening import daemon, error_of
 from tests.integration.scripted import scripted  # noqa: F401 (a fixture)

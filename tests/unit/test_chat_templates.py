@@ -118,7 +118,7 @@ def test_kwargs_cannot_replace_what_the_server_sets():
 
 
 def test_reserved_variables_match_the_http_layer():
-    from daemon.http.schemas import TEMPLATE_VARIABLES
+    from daemon.http.core.schemas import TEMPLATE_VARIABLES
 
     assert TEMPLATE_VARIABLES == RESERVED_VARIABLES
 

@@ -1,4 +1,4 @@
-"""daemon.http.images: format and size from the header, on images written here by
+"""daemon.http.core.images: format and size from the header, on images written here by
 hand, and on truncated and hostile headers (which must raise ImageHeaderError,
 never anything else)."""
 
@@ -10,7 +10,7 @@ import zlib
 
 import pytest
 
-from daemon.http.images import ImageHeaderError, ImageInfo, read_header
+from daemon.http.core.images import ImageHeaderError, ImageInfo, read_header
 
 
 def png(width: int, height: int, pixels: bool = True) -> bytes:
@@ -143,7 +143,7 @@ def test_a_text_message_is_not_walked_for_images():
     """A message whose content is a string has no images, and finding that out
     must not iterate the string (a 6 MB message was 6 million steps on the
     event loop: 0.57 s during which no stream got a token)."""
-    from daemon.http.schemas import ChatMessageIn
+    from daemon.http.core.schemas import ChatMessageIn
 
     class Unwalkable(str):
         def __iter__(self):

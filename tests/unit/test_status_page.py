@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import re
 
-from daemon.http import ui
+from daemon.http.status import page as ui
 from tests.conftest import fake_daemon
 
 KEY = "unit-page-key-81d2"

@@ -1,7 +1,7 @@
 """timings says which tier of the prompt cache the cached tokens came from, and nothing when none did."""
 
 from daemon import protocol as p
-from daemon.http.shapes import timings
+from daemon.http.dialects.openai.shapes import timings
 
 
 def test_cache_tier_in_timings_only_when_the_cache_served():

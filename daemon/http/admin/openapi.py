@@ -16,7 +16,7 @@ from typing import Any
 from pydantic.json_schema import models_json_schema
 
 from daemon import __version__
-from daemon.http.schemas import (ApplyTemplateRequest, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+from daemon.http.core.schemas import (ApplyTemplateRequest, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                   EmbeddingsRequest, NativeCompletionRequest, TokenizeRequest)
 
 _JSON = "application/json"
@@ -112,14 +112,14 @@ def _not_served(method: str, digest: bool = False) -> dict[str, Any]:
 
 def _request_models() -> list[type]:
     # Imported here: the dialect modules import the routes that serve this document.
-    from daemon.http.anthropic_messages import CountTokensRequest, MessagesRequest
-    from daemon.http.infill import InfillRequest
-    from daemon.http.ollama_api import (OllamaChatRequest, OllamaEmbedRequest, OllamaGenerateRequest,
+    from daemon.http.dialects.anthropic.routes import CountTokensRequest, MessagesRequest
+    from daemon.http.dialects.llama_server.infill import InfillRequest
+    from daemon.http.dialects.ollama.routes import (OllamaChatRequest, OllamaEmbedRequest, OllamaGenerateRequest,
                                         OllamaLegacyEmbeddingsRequest)
-    from daemon.http.ollama_models import ShowRequest
-    from daemon.http.rerank import RerankRequest
-    from daemon.http.responses import ResponsesRequest
-    from daemon.http.slot_files import SlotFileRequest
+    from daemon.http.dialects.ollama.models import ShowRequest
+    from daemon.http.dialects.llama_server.rerank import RerankRequest
+    from daemon.http.dialects.responses.routes import ResponsesRequest
+    from daemon.http.dialects.llama_server.slot_files import SlotFileRequest
 
     return [CompletionRequest, ChatCompletionRequest, EmbeddingsRequest, TokenizeRequest, DetokenizeRequest,
             ApplyTemplateRequest, NativeCompletionRequest, ResponsesRequest, MessagesRequest, CountTokensRequest,

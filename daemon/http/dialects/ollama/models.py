@@ -31,9 +31,9 @@ from daemon import __version__
 from daemon.fleet.owner import FleetModel
 from daemon.http.errors import ApiError
 from daemon.http.keys import FLEET, model_for
-from daemon.http.ollama_stream import created_at
-from daemon.http.openai_routes import parse_body
-from daemon.http.schemas import RequestModel, SamplingFields
+from daemon.http.dialects.ollama.stream import created_at
+from daemon.http.dialects.openai.routes import parse_body
+from daemon.http.core.schemas import RequestModel, SamplingFields
 from daemon.model.gguf_header import GgufError, SkippedArray, SkippedString, read_header
 from statemachine import ServerState
 

@@ -14,7 +14,7 @@ from aiohttp import web
 from daemon.fleet.owner import FleetModel
 from daemon.http.errors import ApiError
 from daemon.http.keys import ADMIN_NAME, CALLER, FLEET, METRICS, SETTINGS, model_for, no_room
-from daemon.http.llama_routes import default_generation_settings
+from daemon.http.dialects.llama_server.routes import default_generation_settings
 from daemon.protocol import SlotInfo
 from statemachine import TIERS, ServerState, SleepRequested, WakeRequested
 
@@ -235,7 +235,7 @@ async def unload_model(request: web.Request) -> web.Response:
 
 
 async def openapi(request: web.Request) -> web.Response:
-    from daemon.http.openapi import openapi_document
+    from daemon.http.admin.openapi import openapi_document
 
     return web.json_response(openapi_document())
 

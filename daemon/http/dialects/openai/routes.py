@@ -25,9 +25,9 @@ from daemon.http.errors import ApiError
 from daemon.fleet.owner import FleetModel
 from daemon.http.keys import CALLER, FLEET, JOB, LOG, LOGGED, SETTINGS, cache_scope, model_for, no_room
 from daemon.model.jobs import Job, JobFailure, request_cache_scope
-from daemon.http.schemas import (BodyError, ChatCompletionRequest, CompletionRequest, ImageRefused, SamplingFields,
+from daemon.http.core.schemas import (BodyError, ChatCompletionRequest, CompletionRequest, ImageRefused, SamplingFields,
                                   decode_body, field_name)
-from daemon.http.shapes import ChatShape, CompletionShape, _Shape, system_fingerprint
+from daemon.http.dialects.openai.shapes import ChatShape, CompletionShape, _Shape, system_fingerprint
 from daemon.tools.forced_stream import ForcedCallStream
 from daemon.tools.parse import ToolCallStream, forced_calls, new_call_id, parse_tool_calls, stream_deltas
 from daemon.tools.reasoning import ReasoningMode, ReasoningStream

@@ -1,5 +1,5 @@
 """The status page at / and /ui: one HTML file, its script and its style,
-served from the package (daemon/http/static/), no build step.
+served from the package (daemon/http/status/static/), no build step.
 
 The page is open (it holds no data); what it shows it fetches with GETs from
 the same JSON as everyone else (/v1/models, then /props?model=ID for each), so

@@ -24,11 +24,11 @@ from daemon import protocol as p
 from daemon.fleet.owner import FleetModel
 from daemon.http.errors import ApiError
 from daemon.http.keys import model_for
-from daemon.http.openai_routes import (CLIENT_ERRORS, _failure_error, _first_item, _is_failure, generation_model,
+from daemon.http.dialects.openai.routes import (CLIENT_ERRORS, _failure_error, _first_item, _is_failure, generation_model,
                                        open_event_stream, parse_body, structured_grammar, tracked)
-from daemon.http.schemas import (ApplyTemplateRequest, DetokenizeRequest, EmbeddingsRequest, ImageRefused,
+from daemon.http.core.schemas import (ApplyTemplateRequest, DetokenizeRequest, EmbeddingsRequest, ImageRefused,
                                  NativeCompletionRequest, SamplingFields, TokenizeRequest)
-from daemon.http.shapes import piece_text, timings
+from daemon.http.dialects.openai.shapes import piece_text, timings
 from daemon.model.jobs import Job, JobFailure
 
 

@@ -22,9 +22,9 @@ from pydantic import ConfigDict, Field, field_validator
 
 from daemon.http.errors import ApiError
 from daemon.http.keys import model_for
-from daemon.http.llama_routes import run_query
-from daemon.http.openai_routes import parse_body
-from daemon.http.schemas import INT32_MAX, RequestModel, _at_most
+from daemon.http.dialects.llama_server.routes import run_query
+from daemon.http.dialects.openai.routes import parse_body
+from daemon.http.core.schemas import INT32_MAX, RequestModel, _at_most
 
 MAX_DOCUMENTS = 1024  # as Cohere's limit (1,000); each one is a decode
 

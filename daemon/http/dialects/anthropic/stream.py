@@ -26,7 +26,7 @@ from aiohttp import web
 
 from daemon import protocol as p
 from daemon.fleet.owner import FleetModel
-from daemon.http.openai_routes import (ToolMode, _failure_error, _first_item, _is_failure, open_event_stream,
+from daemon.http.dialects.openai.routes import (ToolMode, _failure_error, _first_item, _is_failure, open_event_stream,
                                        tracked)
 from daemon.model.jobs import Job
 from daemon.tools.forced_stream import ForcedCallStream

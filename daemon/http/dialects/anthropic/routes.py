@@ -31,10 +31,10 @@ from pydantic import (Discriminator, Field, StrictBool, Tag, ValidationError, Va
 
 from daemon.http.errors import ApiError
 from daemon.http.keys import FLEET
-from daemon.http.openai_routes import chat_inputs, chat_job, generation_model, parse_body, tool_mode
+from daemon.http.dialects.openai.routes import chat_inputs, chat_job, generation_model, parse_body, tool_mode
 # responses.py's tagged unions: a block of an unknown type is refused by what it is.
-from daemon.http.responses import _Refused, _tagged, _union
-from daemon.http.schemas import (INT32_MAX, MAX_CONTENT_PARTS, MAX_MESSAGES, MAX_STOP_CHARS, MAX_STOPS, MAX_TOOL_CALLS,
+from daemon.http.dialects.responses.routes import _Refused, _tagged, _union
+from daemon.http.core.schemas import (INT32_MAX, MAX_CONTENT_PARTS, MAX_MESSAGES, MAX_STOP_CHARS, MAX_STOPS, MAX_TOOL_CALLS,
                                  MAX_TOOLS, CacheSalt, ChatCompletionRequest, ChatMessageIn, ImagePart, ImageURL,
                                  RequestModel, TextPart, _at_most, _json_within, field_name)
 
@@ -535,7 +535,7 @@ def _renamed(exc: ApiError) -> ApiError:
 
 
 async def messages(request: web.Request) -> web.StreamResponse:
-    from daemon.http.anthropic_stream import MessageShape, answer
+    from daemon.http.dialects.anthropic.stream import MessageShape, answer
 
     body = await parse_body(request, MessagesRequest)
     chat = body.chat_request(request.app[FLEET].max_ctx_size)
@@ -547,7 +547,7 @@ async def messages(request: web.Request) -> web.StreamResponse:
 async def count_tokens(request: web.Request) -> web.Response:
     """The input tokens a /v1/messages request with this body reads: its
     system, messages and tools through the model's chat template, images included."""
-    from daemon.http.llama_routes import run_query
+    from daemon.http.dialects.llama_server.routes import run_query
 
     body = await parse_body(request, CountTokensRequest)
     chat = body.chat_request(request.app[FLEET].max_ctx_size)

@@ -23,7 +23,7 @@ import msgspec
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr, ValidationInfo, field_validator, model_validator
 
 from daemon import protocol as p
-from daemon.http.images import ImageHeaderError, read_header
+from daemon.http.core.images import ImageHeaderError, read_header
 
 INT32_MAX = 2**31 - 1
 MAX_STOPS = 16

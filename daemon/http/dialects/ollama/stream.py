@@ -27,8 +27,8 @@ from aiohttp import web
 from daemon import protocol as p
 from daemon.fleet.owner import FleetModel
 from daemon.http.errors import ApiError
-from daemon.http.openai_routes import (StreamedChoice, ToolMode, _failure_error, _first_item, _is_failure, tracked)
-from daemon.http.shapes import piece_text
+from daemon.http.dialects.openai.routes import (StreamedChoice, ToolMode, _failure_error, _first_item, _is_failure, tracked)
+from daemon.http.dialects.openai.shapes import piece_text
 from daemon.model.controller import Controller
 from daemon.model.jobs import Job
 from daemon.tools.parse import ParsedCall, new_call_id

@@ -1,0 +1,1 @@
+"""The admin routes (/health, /props, /slots, /metrics, /sleep, /wake, /models/load and unload) and /openapi.json."""

@@ -1,0 +1,1 @@
+"""Anthropic Messages: /v1/messages, /v1/messages/count_tokens."""

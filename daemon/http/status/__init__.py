@@ -1,0 +1,1 @@
+"""The status page at / and /ui, served from static/ beside it."""
