@@ -43,13 +43,14 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 from prometheus_client import generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
-if TYPE_CHECKING:
-    from daemon.metrics import MetricFamilies
+# daemon.metrics.MetricFamilies, read by attribute: that module imports this one, so this one
+# names it only here and does not import it back (no circle).
+MetricFamilies = Any
 
 KINDS = ("llamacpp", "vllm", "otel")
 

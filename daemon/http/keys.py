@@ -1,5 +1,6 @@
-"""What handlers reach through the app (AppKeys), in a module of their own so
-that the app and the routes import it and not each other."""
+"""What handlers reach through the app (AppKeys), and the model a request
+names (model_for, model_param), in a module of their own so that the app and
+the routes import it and not each other."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import json
 import socket
 from dataclasses import dataclass, field
 
+import msgspec
 from aiohttp import web
 
 from config import Settings
@@ -125,3 +127,26 @@ def model_for(request: web.Request, name: str | None) -> FleetModel:
         return request.app[FLEET].route(name)
     except UnknownModel as exc:
         raise ApiError(404, exc.message, "model_not_found", param="model") from None
+
+
+async def model_param(request: web.Request, required: bool = False) -> FleetModel | None:
+    """The model an admin call names: `?model=ID`, or `{"model": ID}` in the body."""
+    name = request.query.get("model")
+    if name is None and request.method == "POST":
+        raw = await request.read()
+        if raw.strip():
+            try:
+                body = msgspec.json.decode(raw)
+            except RecursionError:
+                raise ApiError(400, "request body is not valid JSON: nested too deeply", "invalid_json") from None
+            except msgspec.DecodeError as exc:
+                raise ApiError(400, f"request body is not valid JSON: {exc}", "invalid_json") from None
+            if not isinstance(body, dict):
+                raise ApiError(400, "request body must be a JSON object", "invalid_json")
+            name = body.get("model")
+    if name is None:
+        if required:
+            raise ApiError(400, "model: required (a model id or alias, as GET /v1/models lists them)",
+                           "invalid_value", param="model")
+        return None
+    return model_for(request, name)

@@ -13,33 +13,10 @@ from aiohttp import web
 
 from daemon.fleet.owner import FleetModel
 from daemon.http.errors import ApiError
-from daemon.http.keys import ADMIN_NAME, CALLER, FLEET, METRICS, SETTINGS, model_for, no_room
+from daemon.http.keys import ADMIN_NAME, CALLER, FLEET, METRICS, SETTINGS, model_for, model_param, no_room
 from daemon.http.dialects.llama_server.routes import default_generation_settings
 from daemon.protocol import SlotInfo
 from statemachine import TIERS, ServerState, SleepRequested, WakeRequested
-
-
-async def model_param(request: web.Request, required: bool = False) -> FleetModel | None:
-    """The model an admin call names: `?model=ID`, or `{"model": ID}` in the body."""
-    name = request.query.get("model")
-    if name is None and request.method == "POST":
-        raw = await request.read()
-        if raw.strip():
-            try:
-                body = msgspec.json.decode(raw)
-            except RecursionError:
-                raise ApiError(400, "request body is not valid JSON: nested too deeply", "invalid_json") from None
-            except msgspec.DecodeError as exc:
-                raise ApiError(400, f"request body is not valid JSON: {exc}", "invalid_json") from None
-            if not isinstance(body, dict):
-                raise ApiError(400, "request body must be a JSON object", "invalid_json")
-            name = body.get("model")
-    if name is None:
-        if required:
-            raise ApiError(400, "model: required (a model id or alias, as GET /v1/models lists them)",
-                           "invalid_value", param="model")
-        return None
-    return model_for(request, name)
 
 
 async def tier_param(request: web.Request) -> str | None:

@@ -13,9 +13,8 @@ import time
 from aiohttp import web
 from pydantic import Field
 
-from daemon.http.admin.routes import model_param
 from daemon.http.errors import ApiError
-from daemon.http.keys import FLEET, model_for
+from daemon.http.keys import FLEET, model_for, model_param
 from daemon.http.dialects.openai.routes import _failure_error, _first_item, parse_body, tracked
 from daemon.http.core.schemas import RequestModel
 from daemon.model.jobs import JobFailure
