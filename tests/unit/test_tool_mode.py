@@ -3,7 +3,7 @@ review: a forced call cut by max_tokens came back as raw JSON content with no
 calls, parallel_tool_calls false was ignored in auto mode, and a cut answer
 said finish_reason "tool_calls")."""
 
-from daemon.http.dialects.openai.routes import ToolMode
+from daemon.http.core.job import ToolMode
 from daemon.tools.parse import forced_calls
 
 CALL = '{"name": "f", "arguments": {"a": 1}}'

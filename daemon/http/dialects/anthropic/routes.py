@@ -31,7 +31,7 @@ from pydantic import (Discriminator, Field, StrictBool, Tag, ValidationError, Va
 
 from daemon.http.errors import ApiError
 from daemon.http.keys import FLEET
-from daemon.http.dialects.openai.routes import chat_inputs, chat_job, generation_model, parse_body, tool_mode
+from daemon.http.core.job import chat_inputs, chat_job, generation_model, parse_body, tool_mode
 # responses.py's tagged unions: a block of an unknown type is refused by what it is.
 from daemon.http.dialects.responses.routes import _Refused, _tagged, _union
 from daemon.http.core.schemas import (INT32_MAX, MAX_CONTENT_PARTS, MAX_MESSAGES, MAX_STOP_CHARS, MAX_STOPS, MAX_TOOL_CALLS,
@@ -547,7 +547,7 @@ async def messages(request: web.Request) -> web.StreamResponse:
 async def count_tokens(request: web.Request) -> web.Response:
     """The input tokens a /v1/messages request with this body reads: its
     system, messages and tools through the model's chat template, images included."""
-    from daemon.http.dialects.llama_server.routes import run_query
+    from daemon.http.core.run import run_query
 
     body = await parse_body(request, CountTokensRequest)
     chat = body.chat_request(request.app[FLEET].max_ctx_size)

@@ -26,8 +26,8 @@ from aiohttp import web
 
 from daemon import protocol as p
 from daemon.fleet.owner import FleetModel
-from daemon.http.dialects.openai.routes import (ToolMode, _failure_error, _first_item, _is_failure, open_event_stream,
-                                       tracked)
+from daemon.http.core.job import ToolMode
+from daemon.http.core.run import failure_error, first_item, is_failure, open_event_stream, tracked
 from daemon.model.jobs import Job
 from daemon.tools.forced_stream import ForcedCallStream
 from daemon.tools.parse import ParsedCall, ToolCallStream
@@ -87,17 +87,17 @@ class MessageShape:
 async def answer(request: web.Request, model: FleetModel, job: Job, shape: MessageShape, tools: ToolMode | None,
                  stream: bool) -> web.StreamResponse:
     async with tracked(request, model, job, stream):
-        item = await _first_item(request, model, job)
-        if _is_failure(item):
-            raise _failure_error(item)
+        item = await first_item(request, model, job)
+        if is_failure(item):
+            raise failure_error(item)
         if stream:
             return await _stream(request, job, shape, item, tools)
         parts, reasoning_open = [], item.reasoning_open if isinstance(item, p.Tokens) else False
         while isinstance(item, p.Tokens):
             parts.append(item.text)
             item = await job.next(None)
-        if _is_failure(item):
-            raise _failure_error(item)
+        if is_failure(item):
+            raise failure_error(item)
         thinking, text = ReasoningMode("auto", reasoning_open).split("".join(parts))
         reason, content, calls = item.finish_reason, text, []
         if tools is not None:
@@ -216,9 +216,9 @@ async def _stream(request: web.Request, job: Job, shape: MessageShape, item, too
     while isinstance(item, p.Tokens):
         await blocks.feed(item)
         item = await job.next(None)
-    if _is_failure(item):
+    if is_failure(item):
         await blocks.close()
-        await blocks.send("error", error=_failure_error(item).body("anthropic")["error"])
+        await blocks.send("error", error=failure_error(item).body("anthropic")["error"])
     else:
         stop_reason, stop_sequence = await blocks.finish(item.finish_reason, item)
         await blocks.send("message_delta", delta={"stop_reason": stop_reason, "stop_sequence": stop_sequence},

@@ -25,7 +25,7 @@ from pydantic import Field, field_validator
 from daemon import protocol as p
 from daemon.http.errors import ApiError
 from daemon.http.dialects.llama_server.routes import _n_predict, native_answer
-from daemon.http.dialects.openai.routes import generation_model, parse_body, structured_grammar
+from daemon.http.core.job import generation_model, parse_body, structured_grammar
 from daemon.http.core.schemas import NativeCompletionRequest, RequestModel, _at_most
 
 MAX_EXTRA_CHUNKS = 1024  # llama.vim sends its ring of 16 (up to 64) chunks

@@ -22,8 +22,8 @@ from pydantic import ConfigDict, Field, field_validator
 
 from daemon.http.errors import ApiError
 from daemon.http.keys import model_for
-from daemon.http.dialects.llama_server.routes import run_query
-from daemon.http.dialects.openai.routes import parse_body
+from daemon.http.core.run import run_query
+from daemon.http.core.job import parse_body
 from daemon.http.core.schemas import INT32_MAX, RequestModel, _at_most
 
 MAX_DOCUMENTS = 1024  # as Cohere's limit (1,000); each one is a decode

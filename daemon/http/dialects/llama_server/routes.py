@@ -24,25 +24,12 @@ from daemon import protocol as p
 from daemon.fleet.owner import FleetModel
 from daemon.http.errors import ApiError
 from daemon.http.keys import model_for
-from daemon.http.dialects.openai.routes import (CLIENT_ERRORS, _failure_error, _first_item, _is_failure, generation_model,
-                                       open_event_stream, parse_body, structured_grammar, tracked)
+from daemon.http.core.job import generation_model, parse_body, structured_grammar
+from daemon.http.core.run import failure_error, first_item, is_failure, open_event_stream, run_query, tracked
 from daemon.http.core.schemas import (ApplyTemplateRequest, DetokenizeRequest, EmbeddingsRequest, ImageRefused,
                                  NativeCompletionRequest, SamplingFields, TokenizeRequest)
 from daemon.http.dialects.openai.shapes import piece_text, timings
-from daemon.model.jobs import Job, JobFailure
-
-
-async def run_query(request: web.Request, model: FleetModel, job: Job) -> p.Answer:
-    """The worker's Answer, or the ApiError that says why there is none."""
-    async with tracked(request, model, job):
-        item = await _first_item(request, model, job)
-        if isinstance(item, JobFailure):
-            raise _failure_error(item)
-        if not isinstance(item, p.Answer):  # pragma: no cover - a query is answered by one Answer
-            raise ApiError(500, "the worker answered a query with something else", "internal_error")
-        if item.error is not None:
-            raise ApiError(400 if item.error_code in CLIENT_ERRORS else 500, item.error, item.error_code)
-        return item
+from daemon.model.jobs import Job
 
 
 def _piece(data: bytes) -> str | list[int]:
@@ -171,7 +158,7 @@ _OVERFLOW = re.compile(r"has (more than )?(\d+) tokens; the context of a slot ho
 
 
 def _native_error(item, body: NativeCompletionRequest, model: FleetModel) -> ApiError:
-    error = _failure_error(item)
+    error = failure_error(item)
     if error.code != "context_length_exceeded":
         return error
     c = model.controller
@@ -211,8 +198,8 @@ async def native_answer(request: web.Request, model: FleetModel, job: Job, body,
     applied to a whole answer only, as llama-server does)."""
     end = {"generation_settings": generation_settings(params, n_predict, body.stream, body.n_probs, post_sampling)}
     async with tracked(request, model, job, body.stream):
-        item = await _first_item(request, model, job)
-        if _is_failure(item):
+        item = await first_item(request, model, job)
+        if is_failure(item):
             raise _native_error(item, body, model)
         if body.stream:
             return await _native_stream(request, job, model.id, item, body, end)
@@ -221,7 +208,7 @@ async def native_answer(request: web.Request, model: FleetModel, job: Job, body,
             parts.append(item.text)
             probs.extend(item.logprobs)
             item = await job.next(None)
-        if _is_failure(item):
+        if is_failure(item):
             raise _native_error(item, body, model)
         content = "".join(parts)
         answer = {"index": 0, "content": content, "tokens": [e.token for e in probs] if body.return_tokens else [],
@@ -265,8 +252,8 @@ async def _native_stream(request: web.Request, job: Job, model: str, item, body:
                 chunk["completion_probabilities"] = _native_probs(item.logprobs, post_sampling)
             await response.write(b"data: " + encode(chunk) + b"\n\n")
         item = await job.next(None)
-    if _is_failure(item):
-        await response.write(b"data: " + encode(_failure_error(item).body()) + b"\n\n")
+    if is_failure(item):
+        await response.write(b"data: " + encode(failure_error(item).body()) + b"\n\n")
     else:
         final = {"index": 0, "content": "", "tokens": [], **_native_end(item, model), **end}
         await response.write(b"data: " + encode(final) + b"\n\n")

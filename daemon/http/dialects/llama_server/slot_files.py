@@ -15,7 +15,8 @@ from pydantic import Field
 
 from daemon.http.errors import ApiError
 from daemon.http.keys import FLEET, model_for, model_param
-from daemon.http.dialects.openai.routes import _failure_error, _first_item, parse_body, tracked
+from daemon.http.core.job import parse_body
+from daemon.http.core.run import failure_error, first_item, tracked
 from daemon.http.core.schemas import RequestModel
 from daemon.model.jobs import JobFailure
 from daemon.protocol import Answer
@@ -58,9 +59,9 @@ async def slot_action(request: web.Request) -> web.Response:
     start = time.perf_counter()
     job = model.controller.new_query("slots", f"slot_{action}", tokens=[id_slot], text=filename)
     async with tracked(request, model, job):
-        item = await _first_item(request, model, job)
+        item = await first_item(request, model, job)
     if isinstance(item, JobFailure):
-        raise _failure_error(item)
+        raise failure_error(item)
     if not isinstance(item, Answer):  # pragma: no cover - a query is answered by one Answer
         raise ApiError(500, "the worker answered a slot action with something else", "internal_error")
     if item.error is not None:

@@ -47,9 +47,9 @@ from daemon.http.dialects.ollama import models as ollama_models
 from daemon.http.dialects.ollama.models import ollama_model, slot_context
 from daemon.http.errors import ApiError
 from daemon.http.keys import FLEET, require_privilege
-from daemon.http.dialects.llama_server.routes import run_query
+from daemon.http.core.run import run_query
 from daemon.http.dialects.ollama.stream import ChatLines, GenerateLines, answer, check_dimensions, embed_body, load_answer
-from daemon.http.dialects.openai.routes import chat_inputs, generation_model, parse_body, structured_grammar, tool_mode
+from daemon.http.core.job import chat_inputs, generation_model, parse_body, structured_grammar, tool_mode
 from daemon.http.core.schemas import (MAX_CONTENT_PARTS, MAX_EMBEDDING_INPUTS, MAX_MESSAGES, MAX_TOOL_CALLS, MAX_TOOLS,
                                  ChatCompletionRequest, CompletionRequest, RequestModel, _at_most,
                                  field_name)

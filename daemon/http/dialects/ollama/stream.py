@@ -27,7 +27,9 @@ from aiohttp import web
 from daemon import protocol as p
 from daemon.fleet.owner import FleetModel
 from daemon.http.errors import ApiError
-from daemon.http.dialects.openai.routes import (StreamedChoice, ToolMode, _failure_error, _first_item, _is_failure, tracked)
+from daemon.http.core.job import ToolMode
+from daemon.http.core.run import failure_error, first_item, is_failure, tracked
+from daemon.http.dialects.openai.routes import StreamedChoice
 from daemon.http.dialects.openai.shapes import piece_text
 from daemon.model.controller import Controller
 from daemon.model.jobs import Job
@@ -126,9 +128,9 @@ def _done_reason(reason: str) -> str:
 async def answer(request: web.Request, model: FleetModel, job: Job, lines: _Lines, stream: bool,
                  tools: ToolMode | None) -> web.StreamResponse:
     async with tracked(request, model, job, stream):
-        item = await _first_item(request, model, job)
-        if _is_failure(item):
-            raise _failure_error(item)
+        item = await first_item(request, model, job)
+        if is_failure(item):
+            raise failure_error(item)
         if stream:
             return await _stream(request, job, lines, item, tools)
         parts, logprobs = [], []
@@ -136,8 +138,8 @@ async def answer(request: web.Request, model: FleetModel, job: Job, lines: _Line
             parts.append(item.text)
             logprobs.extend(item.logprobs)
             item = await job.next(None)
-        if _is_failure(item):
-            raise _failure_error(item)
+        if is_failure(item):
+            raise failure_error(item)
         text, calls, reason = "".join(parts), [], item.finish_reason
         if tools is not None:
             content, calls, reason = tools.calls(text, reason)
@@ -159,8 +161,8 @@ async def _stream(request: web.Request, job: Job, lines: _Lines, item, tools: To
         if text:
             await send(lines.piece(text, logprobs=choice.take_logprobs()))
         item = await job.next(None)
-    if _is_failure(item):
-        await send(_failure_error(item).body("ollama"))
+    if is_failure(item):
+        await send(failure_error(item).body("ollama"))
     else:
         reason, calls, rest = item.finish_reason, [], ""
         if tools is not None:

@@ -10,86 +10,21 @@ there, so a rejected or timed-out request still gets a proper status code.
 
 from __future__ import annotations
 
-import time
-from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
-from dataclasses import dataclass
-
 import msgspec
-import structlog
 from aiohttp import web
-from pydantic import BaseModel, ValidationError
 
 from daemon import protocol as p
-from daemon.http.errors import ApiError
 from daemon.fleet.owner import FleetModel
-from daemon.http.keys import CALLER, FLEET, JOB, LOG, LOGGED, SETTINGS, cache_scope, model_for, no_room
-from daemon.model.jobs import Job, JobFailure, request_cache_scope
-from daemon.http.core.schemas import (BodyError, ChatCompletionRequest, CompletionRequest, ImageRefused, SamplingFields,
-                                  decode_body, field_name)
+from daemon.http.core.job import (ToolMode, chat_job, default_limit, generation_model, parse_body,
+                                  structured_grammar, tool_mode)
+from daemon.http.core.run import failure_error, first_item, is_failure, open_event_stream, tracked
+from daemon.http.core.schemas import ChatCompletionRequest, CompletionRequest
 from daemon.http.dialects.openai.shapes import ChatShape, CompletionShape, _Shape, system_fingerprint
+from daemon.http.keys import FLEET, model_for
+from daemon.model.jobs import Job
 from daemon.tools.forced_stream import ForcedCallStream
-from daemon.tools.parse import ToolCallStream, forced_calls, new_call_id, parse_tool_calls, stream_deltas
+from daemon.tools.parse import ToolCallStream, new_call_id, stream_deltas
 from daemon.tools.reasoning import ReasoningMode, ReasoningStream
-
-
-async def parse_body(request: web.Request, model: type[BaseModel]) -> BaseModel:
-    """The validated body. Runs on the event loop: unknown fields are skipped
-    undecoded and containers are counted before their items are validated,
-    so this stays cheap for any body under max_body_bytes."""
-    raw = await request.read()
-    max_prompt_tokens = request.app[FLEET].max_ctx_size  # no slot of any model holds more
-    try:
-        data = decode_body(raw, model, max_prompt_tokens)
-    except msgspec.ValidationError:  # JSON, but not an object
-        raise ApiError(400, "request body must be a JSON object", "invalid_json") from None
-    except msgspec.DecodeError as exc:
-        raise ApiError(400, f"request body is not valid JSON: {exc}", "invalid_json") from None
-    except RecursionError:
-        raise ApiError(400, "request body is not valid JSON: nested too deeply", "invalid_json") from None
-    except BodyError as exc:
-        raise ApiError(400, str(exc), "invalid_value", param=exc.param) from None
-    try:
-        body = model.model_validate(data, context={"max_prompt_tokens": max_prompt_tokens})
-    except ValidationError as exc:
-        err = exc.errors()[0]
-        name = field_name(err["loc"]) or "body"
-        message = str(err["msg"]).removeprefix("Value error, ")
-        raise ApiError(400, f"{name}: {message}", "invalid_value", param=name) from None
-    salt = getattr(body, "cache_salt", None)
-    if salt is not None:  # the key's scope (set by the access check) narrowed by the body's salt
-        request_cache_scope.set(cache_scope(request.get(CALLER), salt))
-    return body
-
-
-# Worker error codes that are the request's fault.
-CLIENT_ERRORS = ("context_length_exceeded", "invalid_request", "invalid_grammar", "embeddings_not_enabled")
-
-
-def _failure_error(item: JobFailure | p.Done) -> ApiError:
-    if isinstance(item, JobFailure):
-        return ApiError(item.status, item.message, item.code, retry_after=item.retry_after)
-    if item.finish_reason == "cancelled":
-        return ApiError(503, "request cancelled: the server is shutting down", "cancelled", retry_after=1)
-    status = 400 if item.error_code in CLIENT_ERRORS else 500
-    return ApiError(status, item.error or "generation failed", item.error_code)
-
-
-def _is_failure(item) -> bool:
-    return isinstance(item, JobFailure) or (isinstance(item, p.Done) and item.finish_reason not in ("stop", "length"))
-
-
-async def _first_item(request: web.Request, model: FleetModel, job: Job):
-    settings = request.app[SETTINGS]
-    max_wait = getattr(job, "max_wait", None) if job.cold else None  # X-Dormouse-Max-Wait: a wake's wait only
-    try:
-        return await job.next(settings.wake_timeout if max_wait is None else min(max_wait, settings.wake_timeout))
-    except TimeoutError:
-        refused = no_room(request, model, since=job.accepted_at)
-        if refused is not None:  # the wake never started: the fleet had no room for it
-            raise refused from None
-        raise ApiError(503, f"the model did not become ready within {settings.wake_timeout:g}s (wake_timeout)",
-                       "wake_timeout", retry_after=5) from None
 
 
 class Choice:
@@ -113,29 +48,6 @@ class Choice:
         return "".join(self.parts)
 
 
-@dataclass(frozen=True)
-class ToolMode:
-    """How an answer's tool calls are read. forced: a grammar made the whole
-    answer the call array (tool_choice required or named), so it is never
-    content, even cut short; else the model's own format is recognised."""
-
-    names: tuple[str, ...]
-    forced: bool
-    parallel: bool
-
-    def calls(self, text: str, worker_reason: str) -> tuple[str | None, list, str]:
-        """(content, calls, finish_reason) of a whole answer."""
-        if self.forced:
-            content, calls = None, forced_calls(text, self.names)
-        else:
-            content, calls = parse_tool_calls(text, self.names)
-        if not self.parallel:
-            calls = calls[:1]
-        # Cut short is "length" whatever it holds: the client must know the answer is incomplete.
-        reason = "tool_calls" if calls and worker_reason != "length" else worker_reason
-        return content, calls, reason
-
-
 def tool_calls_out(calls) -> list[dict]:
     return [{"id": new_call_id(), "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
             for c in calls]
@@ -146,17 +58,17 @@ async def run_job(request: web.Request, model: FleetModel, job: Job, shape: _Sha
     """tools: the output may hold tool calls (chat with tools). reasoning: a
     chat's reasoning_format (daemon/tools/reasoning.py); None: no thinking read out."""
     async with tracked(request, model, job, stream):
-        item = await _first_item(request, model, job)
-        if _is_failure(item):
-            raise _failure_error(item)
+        item = await first_item(request, model, job)
+        if is_failure(item):
+            raise failure_error(item)
         if stream:
             return await _stream(request, job, shape, item, include_usage, tools, reasoning)
         choices = [Choice() for _ in range(job.submit.n)]
         while isinstance(item, p.Tokens):
             choices[item.index].add(item)
             item = await job.next(None)
-        if _is_failure(item):
-            raise _failure_error(item)
+        if is_failure(item):
+            raise failure_error(item)
         out = []
         for index, choice in enumerate(choices):
             reason = choice.finish_reason or item.finish_reason
@@ -169,63 +81,6 @@ async def run_job(request: web.Request, model: FleetModel, job: Job, shape: _Sha
             else:
                 out.append(shape.choice(index, text, reason, choice.logprobs, **thinking))
         return web.json_response(shape.final(out, item))
-
-
-@asynccontextmanager
-async def tracked(request: web.Request, model: FleetModel, job: Job, stream: bool = False) -> AsyncIterator[None]:
-    """While a job's request is answered: its id on every log line. However it
-    ends, the job is let go (a no-op once finished; frees its slot if the
-    client left) and the request gets its one log line and its metrics."""
-    structlog.contextvars.bind_contextvars(request_id=job.id)
-    if not request.app[SETTINGS].report_cached_tokens:
-        _without_cache_counts(job)
-    request[LOGGED] = True  # the line below, with the job's timings
-    request[JOB] = job  # the cold-start headers (daemon/http/cold_start.py)
-    status, code = 200, None
-    try:
-        yield
-    except ApiError as exc:
-        status, code = exc.status, exc.code
-        raise
-    finally:
-        model.controller.abandon(job)
-        metrics = model.controller.metrics
-        request.app[LOG].info("request", endpoint=job.endpoint, model=model.id, status=status, code=code, stream=stream,
-                              cold=job.cold, seconds=round(time.monotonic() - job.accepted_at, 4),
-                              finished=job.finished)
-        metrics.requests.labels(endpoint=job.endpoint, status=str(status)).inc()
-        metrics.request_seconds.labels(endpoint=job.endpoint, outcome="ok" if status == 200 else "error").observe(
-            time.monotonic() - job.accepted_at)
-        structlog.contextvars.unbind_contextvars("request_id")
-
-
-def _without_cache_counts(job: Job) -> None:
-    """report_cached_tokens = false: every item this request's answer is written from says the
-    prompt cache held nothing (cached_tokens, cache_n, tokens_cached, cache_read_input_tokens read 0),
-    whatever dialect writes it; the worker's own accounting (metrics) is untouched."""
-    if getattr(job, "_counts_hidden", False):
-        return
-    receive = job.next
-
-    async def next_item(wake_limit: float | None):
-        item = await receive(wake_limit)
-        if isinstance(item, p.Done) and (item.cached_tokens or item.restored_tokens or item.cache_tier):
-            return msgspec.structs.replace(item, cached_tokens=0, restored_tokens=0, cache_tier="")
-        if isinstance(item, p.Tokens) and item.n_cached_tokens:
-            return msgspec.structs.replace(item, n_cached_tokens=0)
-        return item
-
-    job.next = next_item  # type: ignore[method-assign]  # this job's alone (an instance attribute)
-    job._counts_hidden = True  # type: ignore[attr-defined]
-
-
-async def open_event_stream(request: web.Request, job: Job) -> web.StreamResponse:
-    """The SSE response, its headers sent: only once the first item is there,
-    so a refused or timed-out request still gets its status code."""
-    response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
-                                           "X-Request-Id": job.id})
-    await response.prepare(request)
-    return response
 
 
 _encode = msgspec.json.encode
@@ -337,8 +192,8 @@ async def _stream(request: web.Request, job: Job, shape: _Shape, item, include_u
             if sum(not c.finished for c in choices) > 1:
                 await finish(choice, item.finish_reason, None)  # ... the last one with the Done's timings, below
         item = await job.next(None)
-    if _is_failure(item):
-        await send(_failure_error(item).body())
+    if is_failure(item):
+        await send(failure_error(item).body())
     else:
         for choice in choices:
             if not choice.finished:
@@ -348,68 +203,6 @@ async def _stream(request: web.Request, job: Job, shape: _Shape, item, include_u
         await response.write(b"data: [DONE]\n\n")
     await response.write_eof()
     return response
-
-
-async def structured_grammar(request: web.Request, body: SamplingFields,
-                             chat: ChatCompletionRequest | None = None) -> str | None:
-    """The GBNF that enforces the body's response_format, json_schema, grammar
-    or forced tool call; None when nothing is constrained. A constraint that
-    cannot be enforced is a 400 naming it, never ignored. Built on a thread
-    with a time bound (daemon/grammar/off_loop.py): the event loop keeps
-    serving every other request meanwhile."""
-    from daemon.grammar import GrammarRefused
-    from daemon.grammar.off_loop import GrammarBusy, build_grammar
-
-    if body.grammar is not None and not request.app[SETTINGS].raw_grammar:
-        raise ApiError(400, "grammar: raw GBNF grammars are off on this server (raw_grammar = true turns them on for "
-                            "trusted clients: a GBNF grammar can stall every slot); json_schema and response_format "
-                            "are always available", "invalid_value", param="grammar")
-
-    tools = [t.model_dump(exclude_none=True) for t in chat.tools] if chat is not None and chat.tools else None
-    if chat is not None and chat.tool_choice not in (None, "none") and not tools:
-        raise ApiError(400, "tool_choice needs tools: no tools were given", "invalid_value", param="tool_choice")
-    if body.response_format is None and body.json_schema is None and body.grammar is None and not tools:
-        return None  # nothing to build: no thread for a plain request
-    try:
-        return await build_grammar(response_format=body.response_format, json_schema=body.json_schema,
-                                   grammar=body.grammar, tools=tools,
-                                   tool_choice=chat.tool_choice if chat is not None else None,
-                                   parallel_tool_calls=chat.parallel_tool_calls if chat is not None else False)
-    except GrammarRefused as exc:
-        raise ApiError(400, str(exc), "invalid_value", param=exc.param) from None
-    except GrammarBusy as exc:
-        raise ApiError(503, f"the server is building too many grammars ({exc}); retry shortly", "server_busy",
-                       retry_after=1) from None
-
-
-def tool_mode(body: ChatCompletionRequest) -> ToolMode | None:
-    """How to read this answer's tool calls; None: it is all content (no tools,
-    tool_choice none, or a JSON response_format, whose answer is the JSON)."""
-    json_answer = (body.response_format or {}).get("type") in ("json_object", "json_schema")
-    if not body.calls_tools or (json_answer and not body.forces_tool_call):
-        return None
-    return ToolMode(tuple(body.tool_names), body.forces_tool_call, body.parallel_tool_calls)
-
-
-def generation_model(request: web.Request, body: SamplingFields) -> FleetModel:
-    model = model_for(request, body.model)
-    if model.controller.settings.embeddings:
-        raise ApiError(400, f"model {model.id!r} serves embeddings only (embeddings = true): use /v1/embeddings, or "
-                            "name a model that generates text", "model_not_generative", param="model")
-    slots = model.controller.settings.parallel
-    if body.n > slots:
-        raise ApiError(400, f"n: {body.n} choices need {body.n} slots at once; model {model.id!r} has {slots} "
-                            "(parallel)", "invalid_value", param="n")
-    return model
-
-
-def default_limit(settings, fallback: int) -> int:
-    """The tokens a request that names no limit generates: the server's
-    n_predict (-1: until the end of generation or of the slot's context, where
-    the worker stops), or without one the dialect's own default."""
-    if settings.n_predict is None:
-        return fallback
-    return settings.ctx_size if settings.n_predict < 0 else settings.n_predict
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
@@ -427,45 +220,6 @@ async def completions(request: web.Request) -> web.StreamResponse:
     shape = CompletionShape(f"cmpl-{job.id}", model.id, body.include_usage, logprobs=body.logprobs is not None,
                             fingerprint=system_fingerprint(model.controller.model_path))
     return await run_job(request, model, job, shape, body.stream, body.include_usage)
-
-
-def chat_inputs(request: web.Request, chat: ChatCompletionRequest, param: str = "messages") -> tuple[list, list]:
-    """(messages, tools) for the worker, for every dialect's chat job. Images are
-    counted and their headers read here, so the worker never sees one that is
-    refused (a 400 naming `param`, the dialect's name for the turns); tools
-    go only where tool_choice is not none."""
-    settings = request.app[SETTINGS]
-    try:
-        messages = chat.protocol_messages(settings.max_images_per_request, settings.max_image_pixels)
-    except ImageRefused as exc:
-        raise ApiError(400, f"{param}: {exc}", exc.code, param=param) from None
-    tools = [t.to_protocol() for t in chat.tools or ()] if chat.tool_choice != "none" else []
-    return messages, tools
-
-
-def _same(exc: ApiError) -> ApiError:
-    return exc
-
-
-async def chat_job(request: web.Request, chat: ChatCompletionRequest, endpoint: str, param: str = "messages",
-                   rename: Callable[[ApiError], ApiError] = _same) -> tuple[FleetModel, Job]:
-    """The one chat job that chat completions, Responses and Anthropic Messages
-    run: their body translated to `chat`, refusals renamed into the dialect's
-    words by `rename`."""
-    messages, tools = chat_inputs(request, chat, param)
-    try:
-        if chat.forces_tool_call and chat.stop:
-            raise ApiError(400, "stop: a forced tool call (tool_choice required or named) is the whole answer; "
-                                "cutting it at a string would break its JSON", "invalid_value", param="stop")
-        grammar = await structured_grammar(request, chat, chat=chat)
-    except ApiError as exc:
-        raise rename(exc) from None
-    model = generation_model(request, chat)
-    settings = model.controller.settings  # the model's own defaults for what the body leaves out
-    limit = chat.max_completion_tokens or chat.max_tokens or default_limit(settings, chat.token_limit)
-    params = chat.sampling(limit, grammar, chat.wanted_logprobs, defaults=settings)
-    job = model.controller.new_job(endpoint, params, messages=messages, tools=tools, n=chat.n, **chat.template_args())
-    return model, job
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:

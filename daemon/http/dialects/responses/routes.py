@@ -23,7 +23,7 @@ from pydantic import (ConfigDict, Discriminator, Field, Tag, ValidationError, Va
 
 from daemon.http.errors import ApiError
 from daemon.http.keys import FLEET
-from daemon.http.dialects.openai.routes import chat_inputs, chat_job, generation_model, parse_body, tool_mode
+from daemon.http.core.job import chat_inputs, chat_job, generation_model, parse_body, tool_mode
 from daemon.http.core.schemas import (MAX_CONTENT_PARTS, MAX_MESSAGES, MAX_TOOL_CALLS, MAX_TOOLS,
                                  MAX_TOP_LOGPROBS, ChatCompletionRequest, ChatMessageIn, FunctionIn, ImagePart,
                                  ImageURL, RequestModel, TextPart, ToolIn, CacheSalt, _at_most, field_name)
@@ -539,7 +539,7 @@ async def responses(request: web.Request) -> web.StreamResponse:
 
 
 async def _count(request: web.Request, endpoint: str, chat: ChatCompletionRequest, param: str) -> web.Response:
-    from daemon.http.dialects.llama_server.routes import run_query
+    from daemon.http.core.run import run_query
 
     messages, tools = chat_inputs(request, chat, param)
     model = generation_model(request, chat)

@@ -26,8 +26,8 @@ from aiohttp import web
 
 from daemon import protocol as p
 from daemon.fleet.owner import FleetModel
-from daemon.http.dialects.openai.routes import (ToolMode, _failure_error, _first_item, _is_failure, open_event_stream,
-                                       tracked)
+from daemon.http.core.job import ToolMode
+from daemon.http.core.run import failure_error, first_item, is_failure, open_event_stream, tracked
 from daemon.http.core.schemas import ChatCompletionRequest
 from daemon.http.dialects.openai.shapes import ChatShape
 from daemon.model.jobs import Job
@@ -103,9 +103,9 @@ def _status(reason: str) -> str:
 async def answer(request: web.Request, model: FleetModel, job: Job, shape: ResponseShape, tools: ToolMode | None,
                  stream: bool) -> web.StreamResponse:
     async with tracked(request, model, job, stream):
-        item = await _first_item(request, model, job)
-        if _is_failure(item):
-            raise _failure_error(item)
+        item = await first_item(request, model, job)
+        if is_failure(item):
+            raise failure_error(item)
         if stream:
             return await _stream(request, job, shape, item, tools)
         parts, entries = [], []
@@ -113,8 +113,8 @@ async def answer(request: web.Request, model: FleetModel, job: Job, shape: Respo
             parts.append(item.text)
             entries.extend(item.logprobs)
             item = await job.next(None)
-        if _is_failure(item):
-            raise _failure_error(item)
+        if is_failure(item):
+            raise failure_error(item)
         text, reason = "".join(parts), item.finish_reason
         content, calls = text, []
         if tools is not None:
@@ -256,8 +256,8 @@ async def _stream(request: web.Request, job: Job, shape: ResponseShape, item, to
     while isinstance(item, p.Tokens):
         await output.feed(item)
         item = await job.next(None)
-    if _is_failure(item):
-        error = _failure_error(item)
+    if is_failure(item):
+        error = failure_error(item)
         await events.send("response.failed", response=shape.response(
             "failed", output.items, error={"code": error.code or "server_error", "message": error.message}))
     else:
