@@ -143,7 +143,7 @@ def test_a_text_message_is_not_walked_for_images():
     """A message whose content is a string has no images, and finding that out
     must not iterate the string (a 6 MB message was 6 million steps on the
     event loop: 0.57 s during which no stream got a token)."""
-    from daemon.http.core.schemas import ChatMessageIn
+    from daemon.http.core.conversation import ChatMessageIn
 
     class Unwalkable(str):
         def __iter__(self):

@@ -16,8 +16,10 @@ from typing import Any
 from pydantic.json_schema import models_json_schema
 
 from daemon import __version__
-from daemon.http.core.schemas import (ApplyTemplateRequest, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                                  EmbeddingsRequest, NativeCompletionRequest, TokenizeRequest)
+from daemon.http.core.conversation import ChatCompletionRequest
+from daemon.http.core.schemas import CompletionRequest
+from daemon.http.dialects.llama_server.schemas import (ApplyTemplateRequest, DetokenizeRequest, EmbeddingsRequest,
+                                                       NativeCompletionRequest, TokenizeRequest)
 
 _JSON = "application/json"
 _NDJSON = "application/x-ndjson"

@@ -14,8 +14,8 @@ from aiohttp import web
 from pydantic import BaseModel, ValidationError
 
 from daemon.fleet.owner import FleetModel
-from daemon.http.core.schemas import (BodyError, ChatCompletionRequest, ImageRefused, SamplingFields, decode_body,
-                                      field_name)
+from daemon.http.core.conversation import ChatCompletionRequest, ImageRefused
+from daemon.http.core.schemas import BodyError, decode_body, field_name, SamplingFields
 from daemon.http.errors import ApiError
 from daemon.http.keys import CALLER, FLEET, SETTINGS, cache_scope, model_for
 from daemon.model.jobs import Job, request_cache_scope

@@ -34,9 +34,9 @@ from daemon.http.keys import FLEET
 from daemon.http.core.job import chat_inputs, chat_job, generation_model, parse_body, tool_mode
 # responses.py's tagged unions: a block of an unknown type is refused by what it is.
 from daemon.http.dialects.responses.routes import _Refused, _tagged, _union
-from daemon.http.core.schemas import (INT32_MAX, MAX_CONTENT_PARTS, MAX_MESSAGES, MAX_STOP_CHARS, MAX_STOPS, MAX_TOOL_CALLS,
-                                 MAX_TOOLS, CacheSalt, ChatCompletionRequest, ChatMessageIn, ImagePart, ImageURL,
-                                 RequestModel, TextPart, _at_most, _json_within, field_name)
+from daemon.http.core.conversation import ChatCompletionRequest, ChatMessageIn, ImagePart, ImageURL, TextPart
+from daemon.http.core.schemas import (_at_most, _json_within, CacheSalt, field_name, INT32_MAX, MAX_CONTENT_PARTS,
+                                      MAX_MESSAGES, MAX_STOP_CHARS, MAX_STOPS, MAX_TOOL_CALLS, MAX_TOOLS, RequestModel)
 
 MAX_JSON_DEPTH = 64  # a tool_use's input and a tool's input_schema
 MAX_INPUT_BYTES = 1_000_000  # a tool_use's input as JSON: chat's bound on a call's arguments

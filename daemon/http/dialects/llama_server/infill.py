@@ -26,7 +26,8 @@ from daemon import protocol as p
 from daemon.http.errors import ApiError
 from daemon.http.dialects.llama_server.routes import _n_predict, native_answer
 from daemon.http.core.job import generation_model, parse_body, structured_grammar
-from daemon.http.core.schemas import NativeCompletionRequest, RequestModel, _at_most
+from daemon.http.core.schemas import _at_most, RequestModel
+from daemon.http.dialects.llama_server.schemas import NativeCompletionRequest
 
 MAX_EXTRA_CHUNKS = 1024  # llama.vim sends its ring of 16 (up to 64) chunks
 MAX_FILENAME_CHARS = 4096  # a path

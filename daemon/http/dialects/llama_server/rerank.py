@@ -24,7 +24,7 @@ from daemon.http.errors import ApiError
 from daemon.http.keys import model_for
 from daemon.http.core.run import run_query
 from daemon.http.core.job import parse_body
-from daemon.http.core.schemas import INT32_MAX, RequestModel, _at_most
+from daemon.http.core.schemas import _at_most, INT32_MAX, RequestModel
 
 MAX_DOCUMENTS = 1024  # as Cohere's limit (1,000); each one is a decode
 

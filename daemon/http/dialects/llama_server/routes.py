@@ -26,8 +26,10 @@ from daemon.http.errors import ApiError
 from daemon.http.keys import model_for
 from daemon.http.core.job import generation_model, parse_body, structured_grammar
 from daemon.http.core.run import failure_error, first_item, is_failure, open_event_stream, run_query, tracked
-from daemon.http.core.schemas import (ApplyTemplateRequest, DetokenizeRequest, EmbeddingsRequest, ImageRefused,
-                                 NativeCompletionRequest, SamplingFields, TokenizeRequest)
+from daemon.http.core.conversation import ImageRefused
+from daemon.http.core.schemas import SamplingFields
+from daemon.http.dialects.llama_server.schemas import (ApplyTemplateRequest, DetokenizeRequest, EmbeddingsRequest,
+                                                       NativeCompletionRequest, TokenizeRequest)
 from daemon.http.dialects.openai.shapes import piece_text, timings
 from daemon.model.jobs import Job
 

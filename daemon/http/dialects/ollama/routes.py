@@ -50,9 +50,9 @@ from daemon.http.keys import FLEET, require_privilege
 from daemon.http.core.run import run_query
 from daemon.http.dialects.ollama.stream import ChatLines, GenerateLines, answer, check_dimensions, embed_body, load_answer
 from daemon.http.core.job import chat_inputs, generation_model, parse_body, structured_grammar, tool_mode
-from daemon.http.core.schemas import (MAX_CONTENT_PARTS, MAX_EMBEDDING_INPUTS, MAX_MESSAGES, MAX_TOOL_CALLS, MAX_TOOLS,
-                                 ChatCompletionRequest, CompletionRequest, RequestModel, _at_most,
-                                 field_name)
+from daemon.http.core.conversation import ChatCompletionRequest
+from daemon.http.core.schemas import (_at_most, CompletionRequest, field_name, MAX_CONTENT_PARTS, MAX_EMBEDDING_INPUTS,
+                                      MAX_MESSAGES, MAX_TOOL_CALLS, MAX_TOOLS, RequestModel)
 from statemachine import ServerState
 
 # -- keep_alive -------------------------------------------------------------------------

@@ -18,7 +18,8 @@ from daemon.fleet.owner import FleetModel
 from daemon.http.core.job import (ToolMode, chat_job, default_limit, generation_model, parse_body,
                                   structured_grammar, tool_mode)
 from daemon.http.core.run import failure_error, first_item, is_failure, open_event_stream, tracked
-from daemon.http.core.schemas import ChatCompletionRequest, CompletionRequest
+from daemon.http.core.conversation import ChatCompletionRequest
+from daemon.http.core.schemas import CompletionRequest
 from daemon.http.dialects.openai.shapes import ChatShape, CompletionShape, _Shape, system_fingerprint
 from daemon.http.keys import FLEET, model_for
 from daemon.model.jobs import Job

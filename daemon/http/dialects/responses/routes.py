@@ -24,9 +24,10 @@ from pydantic import (ConfigDict, Discriminator, Field, Tag, ValidationError, Va
 from daemon.http.errors import ApiError
 from daemon.http.keys import FLEET
 from daemon.http.core.job import chat_inputs, chat_job, generation_model, parse_body, tool_mode
-from daemon.http.core.schemas import (MAX_CONTENT_PARTS, MAX_MESSAGES, MAX_TOOL_CALLS, MAX_TOOLS,
-                                 MAX_TOP_LOGPROBS, ChatCompletionRequest, ChatMessageIn, FunctionIn, ImagePart,
-                                 ImageURL, RequestModel, TextPart, ToolIn, CacheSalt, _at_most, field_name)
+from daemon.http.core.conversation import (ChatCompletionRequest, ChatMessageIn, FunctionIn, ImagePart, ImageURL,
+                                           TextPart, ToolIn)
+from daemon.http.core.schemas import (_at_most, CacheSalt, field_name, MAX_CONTENT_PARTS, MAX_MESSAGES, MAX_TOOL_CALLS,
+                                      MAX_TOOLS, MAX_TOP_LOGPROBS, RequestModel)
 
 MAX_INCLUDE = 16
 MAX_METADATA = 16  # OpenAI's: 16 pairs, keys of 64 characters, values of 512

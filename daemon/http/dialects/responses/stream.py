@@ -28,7 +28,7 @@ from daemon import protocol as p
 from daemon.fleet.owner import FleetModel
 from daemon.http.core.job import ToolMode
 from daemon.http.core.run import failure_error, first_item, is_failure, open_event_stream, tracked
-from daemon.http.core.schemas import ChatCompletionRequest
+from daemon.http.core.conversation import ChatCompletionRequest
 from daemon.http.dialects.openai.shapes import ChatShape
 from daemon.model.jobs import Job
 from daemon.tools.forced_stream import ForcedCallStream
