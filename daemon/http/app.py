@@ -333,14 +333,14 @@ async def errors_and_access(request: web.Request, handler):
 
 
 def build_app(fleet: Fleet, settings: Settings, metrics: MetricFamilies, log) -> web.Application:
-    from daemon.http.admin import routes as admin_routes
-    from daemon.http.dialects.anthropic import routes as anthropic_messages
+    from daemon.http.admin import routes as admin
+    from daemon.http.dialects.anthropic import request as anthropic
     from daemon.http.dialects.llama_server import infill, rerank, slot_files
-    from daemon.http.dialects.llama_server import routes as llama_routes
-    from daemon.http.dialects.ollama import routes as ollama_api
-    from daemon.http.dialects.openai import routes as openai_routes
-    from daemon.http.dialects.responses import routes as responses
-    from daemon.http.status import page as ui
+    from daemon.http.dialects.llama_server import request as llama_server
+    from daemon.http.dialects.ollama import request as ollama
+    from daemon.http.dialects.openai import request as openai
+    from daemon.http.dialects.responses import request as responses
+    from daemon.http.status import page as status_page
 
     from daemon.http.cold_start import cold_start_headers, max_wait_header
 
@@ -355,7 +355,6 @@ def build_app(fleet: Fleet, settings: Settings, metrics: MetricFamilies, log) ->
     listening = Listening()
     listening.bind(settings.host)  # the server corrects it from the sockets it serves (daemon/server.py)
     app[LISTENING] = listening
-    for routes in (openai_routes, llama_routes, responses, anthropic_messages, ollama_api, infill, rerank, admin_routes,
-                   slot_files, ui):
+    for routes in (openai, llama_server, responses, anthropic, ollama, infill, rerank, admin, slot_files, status_page):
         routes.add_routes(app)
     return app

@@ -12,9 +12,9 @@ from datetime import datetime
 
 import pytest
 
-from daemon.http.dialects.ollama.routes import parse_keep_alive
+from daemon.http.dialects.ollama.request import parse_keep_alive
 from daemon.http.dialects.ollama.models import human_number
-from daemon.http.dialects.ollama.stream import ChatLines
+from daemon.http.dialects.ollama.answer import ChatLines
 from daemon.tools.parse import ParsedCall
 from statemachine import ServerState
 from tests.conftest import fake_daemon, fake_fleet

@@ -4,7 +4,7 @@ never run together ("You are a pirate.Answer in French.")."""
 
 from __future__ import annotations
 
-from daemon.http.dialects.anthropic.routes import MessagesRequest
+from daemon.http.dialects.anthropic.request import MessagesRequest
 
 USER = [{"role": "user", "content": "hi"}]
 

@@ -114,13 +114,13 @@ def _not_served(method: str, digest: bool = False) -> dict[str, Any]:
 
 def _request_models() -> list[type]:
     # Imported here: the dialect modules import the routes that serve this document.
-    from daemon.http.dialects.anthropic.routes import CountTokensRequest, MessagesRequest
+    from daemon.http.dialects.anthropic.request import CountTokensRequest, MessagesRequest
     from daemon.http.dialects.llama_server.infill import InfillRequest
-    from daemon.http.dialects.ollama.routes import (OllamaChatRequest, OllamaEmbedRequest, OllamaGenerateRequest,
+    from daemon.http.dialects.ollama.request import (OllamaChatRequest, OllamaEmbedRequest, OllamaGenerateRequest,
                                         OllamaLegacyEmbeddingsRequest)
     from daemon.http.dialects.ollama.models import ShowRequest
     from daemon.http.dialects.llama_server.rerank import RerankRequest
-    from daemon.http.dialects.responses.routes import ResponsesRequest
+    from daemon.http.dialects.responses.request import ResponsesRequest
     from daemon.http.dialects.llama_server.slot_files import SlotFileRequest
 
     return [CompletionRequest, ChatCompletionRequest, EmbeddingsRequest, TokenizeRequest, DetokenizeRequest,

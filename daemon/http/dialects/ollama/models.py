@@ -31,7 +31,7 @@ from daemon import __version__
 from daemon.fleet.owner import FleetModel
 from daemon.http.errors import ApiError
 from daemon.http.keys import FLEET, model_for
-from daemon.http.dialects.ollama.stream import created_at
+from daemon.http.dialects.ollama.answer import created_at
 from daemon.http.core.job import parse_body
 from daemon.http.core.schemas import RequestModel, SamplingFields
 from daemon.model.gguf_header import GgufError, SkippedArray, SkippedString, read_header

@@ -530,7 +530,7 @@ def _renamed(exc: ApiError) -> ApiError:
 
 
 async def responses(request: web.Request) -> web.StreamResponse:
-    from daemon.http.dialects.responses.stream import ResponseShape, answer
+    from daemon.http.dialects.responses.answer import ResponseShape, answer
 
     body = await parse_body(request, ResponsesRequest)
     chat = body.chat_request(request.app[FLEET].max_ctx_size)

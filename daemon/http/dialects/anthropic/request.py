@@ -33,7 +33,7 @@ from daemon.http.errors import ApiError
 from daemon.http.keys import FLEET
 from daemon.http.core.job import chat_inputs, chat_job, generation_model, parse_body, tool_mode
 # responses.py's tagged unions: a block of an unknown type is refused by what it is.
-from daemon.http.dialects.responses.routes import _Refused, _tagged, _union
+from daemon.http.dialects.responses.request import _Refused, _tagged, _union
 from daemon.http.core.conversation import ChatCompletionRequest, ChatMessageIn, ImagePart, ImageURL, TextPart
 from daemon.http.core.schemas import (_at_most, _json_within, CacheSalt, field_name, INT32_MAX, MAX_CONTENT_PARTS,
                                       MAX_MESSAGES, MAX_STOP_CHARS, MAX_STOPS, MAX_TOOL_CALLS, MAX_TOOLS, RequestModel)
@@ -535,7 +535,7 @@ def _renamed(exc: ApiError) -> ApiError:
 
 
 async def messages(request: web.Request) -> web.StreamResponse:
-    from daemon.http.dialects.anthropic.stream import MessageShape, answer
+    from daemon.http.dialects.anthropic.answer import MessageShape, answer
 
     body = await parse_body(request, MessagesRequest)
     chat = body.chat_request(request.app[FLEET].max_ctx_size)

@@ -48,7 +48,7 @@ from daemon.http.dialects.ollama.models import ollama_model, slot_context
 from daemon.http.errors import ApiError
 from daemon.http.keys import FLEET, require_privilege
 from daemon.http.core.run import run_query
-from daemon.http.dialects.ollama.stream import ChatLines, GenerateLines, answer, check_dimensions, embed_body, load_answer
+from daemon.http.dialects.ollama.answer import ChatLines, GenerateLines, answer, check_dimensions, embed_body, load_answer
 from daemon.http.core.job import chat_inputs, generation_model, parse_body, structured_grammar, tool_mode
 from daemon.http.core.conversation import ChatCompletionRequest
 from daemon.http.core.schemas import (_at_most, CompletionRequest, field_name, MAX_CONTENT_PARTS, MAX_EMBEDDING_INPUTS,
