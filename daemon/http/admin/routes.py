@@ -14,7 +14,7 @@ from aiohttp import web
 from daemon.fleet.owner import FleetModel
 from daemon.http.errors import ApiError
 from daemon.http.keys import ADMIN_NAME, CALLER, FLEET, METRICS, SETTINGS, model_for, model_param, no_room
-from daemon.http.dialects.llama_server.request import default_generation_settings
+from daemon.http.dialects.llama_server.answer import default_generation_settings
 from daemon.protocol import SlotInfo
 from statemachine import TIERS, ServerState, SleepRequested, WakeRequested
 

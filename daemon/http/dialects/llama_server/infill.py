@@ -24,7 +24,8 @@ from pydantic import Field, field_validator
 
 from daemon import protocol as p
 from daemon.http.errors import ApiError
-from daemon.http.dialects.llama_server.request import _n_predict, native_answer
+from daemon.http.dialects.llama_server.answer import native_answer
+from daemon.http.dialects.llama_server.request import _n_predict
 from daemon.http.core.job import generation_model, parse_body, structured_grammar
 from daemon.http.core.schemas import _at_most, RequestModel
 from daemon.http.dialects.llama_server.schemas import NativeCompletionRequest

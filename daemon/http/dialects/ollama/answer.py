@@ -29,7 +29,7 @@ from daemon.fleet.owner import FleetModel
 from daemon.http.errors import ApiError
 from daemon.http.core.job import ToolMode
 from daemon.http.core.run import failure_error, first_item, is_failure, tracked
-from daemon.http.dialects.openai.request import StreamedChoice
+from daemon.http.dialects.openai.answer import StreamedChoice
 from daemon.http.dialects.openai.shapes import piece_text
 from daemon.model.controller import Controller
 from daemon.model.jobs import Job

@@ -1,0 +1,157 @@
+"""llama-server's answer to a generation job (/completion, /infill): `content`
+and `stop` instead of choices, its `generation_settings`, `tokens`,
+post-sampling probabilities and timings, whole or streamed as `data:` lines;
+and its context-overflow error, in llama-server's own shape."""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Callable
+
+import msgspec
+from aiohttp import web
+
+from daemon import protocol as p
+from daemon.fleet.owner import FleetModel
+from daemon.http.errors import ApiError
+from daemon.http.core.run import failure_error, first_item, is_failure, open_event_stream, tracked
+from daemon.http.core.schemas import SamplingFields
+from daemon.http.dialects.llama_server.schemas import NativeCompletionRequest
+from daemon.http.dialects.openai.shapes import piece_text, timings
+from daemon.model.jobs import Job
+
+
+_STOP_TYPES = {"stop": "eos", "length": "limit"}
+
+
+# The sampler chain's order (daemon/worker/sampling.py), in llama-server's names; temperature 0 is greedy.
+_SAMPLERS = ["penalties", "top_k", "top_p", "min_p", "temperature"]
+
+
+def generation_settings(params: p.SamplingParams, n_predict: int, stream: bool = False, n_probs: int = 0,
+                        post_sampling_probs: bool = False) -> dict:
+    """llama-server's generation settings (its /props default_generation_settings.params and
+    /completion's generation_settings), with the fields Dormouse honours; seed -1: random."""
+    return {"seed": -1 if params.seed is None else params.seed, "temperature": params.temperature,
+            "top_k": params.top_k, "top_p": params.top_p, "min_p": params.min_p,
+            "repeat_last_n": params.repeat_last_n, "repeat_penalty": params.repeat_penalty,
+            "presence_penalty": params.presence_penalty, "frequency_penalty": params.frequency_penalty,
+            "max_tokens": n_predict, "n_predict": n_predict, "ignore_eos": params.ignore_eos, "stream": stream,
+            "n_probs": n_probs, "post_sampling_probs": post_sampling_probs, "stop": list(params.stop),
+            "logit_bias": [{"bias": b if math.isfinite(b) else False, "token": t}
+                           for t, b in params.logit_bias.items()],
+            "samplers": _SAMPLERS}
+
+
+def default_generation_settings(settings, n_ctx_slot: int) -> dict:
+    """What a /completion that sends no sampling field gets, as /props shows it."""
+    n_predict = -1 if settings.n_predict is None else settings.n_predict
+    return {"params": generation_settings(SamplingFields().sampling(n_predict, defaults=settings), n_predict),
+            "n_ctx": n_ctx_slot}
+
+
+class ContextExceeded(ApiError):
+    """llama-server's answer to a prompt its slot cannot hold: type
+    exceed_context_size_error, the status as its code, and the two counts
+    (clients read them to trim the prompt)."""
+
+    def __init__(self, n_prompt_tokens: int, n_ctx: int, at_least: bool) -> None:
+        shown = f"more than {n_prompt_tokens - 1}" if at_least else str(n_prompt_tokens)
+        super().__init__(400, f"request ({shown} tokens) exceeds the available context size ({n_ctx} tokens), try "
+                              "increasing it (ctx_size / parallel)", "context_length_exceeded", param="prompt")
+        self.n_prompt_tokens = n_prompt_tokens
+        self.n_ctx = n_ctx
+
+    def body(self, dialect="openai") -> dict:
+        return {"error": {"code": self.status, "message": self.message, "type": "exceed_context_size_error",
+                          "n_prompt_tokens": self.n_prompt_tokens, "n_ctx": self.n_ctx}}
+
+
+# The worker's overflow messages (engine.py): "prompt has N tokens; ..." or, when it
+# stopped counting early (a text far longer than the context), "has more than N tokens".
+_OVERFLOW = re.compile(r"has (more than )?(\d+) tokens; the context of a slot holds (\d+)")
+
+
+def _native_error(item, body: NativeCompletionRequest, model: FleetModel) -> ApiError:
+    error = failure_error(item)
+    if error.code != "context_length_exceeded":
+        return error
+    c = model.controller
+    n_ctx = c.n_ctx_slot or c.settings.ctx_size // c.settings.parallel
+    found = _OVERFLOW.search(getattr(item, "error", None) or "")
+    if found:
+        counted = int(found.group(2))
+        return ContextExceeded(counted + 1 if found.group(1) else counted, int(found.group(3)), bool(found.group(1)))
+    if isinstance(body.prompt, list):
+        return ContextExceeded(len(body.prompt), n_ctx, False)
+    return ContextExceeded(n_ctx + 1, n_ctx, True)  # the worker said it overflows, not by how much
+
+
+async def native_answer(request: web.Request, model: FleetModel, job: Job, body, params, n_predict: int,
+                        post_sampling: bool, pick: Callable[[dict], dict] | None = None) -> web.StreamResponse:
+    """/completion's answer to a job, whole or streamed; /infill's too (`pick`: its response_fields,
+    applied to a whole answer only, as llama-server does)."""
+    end = {"generation_settings": generation_settings(params, n_predict, body.stream, body.n_probs, post_sampling)}
+    async with tracked(request, model, job, body.stream):
+        item = await first_item(request, model, job)
+        if is_failure(item):
+            raise _native_error(item, body, model)
+        if body.stream:
+            return await _native_stream(request, job, model.id, item, body, end)
+        parts, probs = [], []
+        while isinstance(item, p.Tokens):
+            parts.append(item.text)
+            probs.extend(item.logprobs)
+            item = await job.next(None)
+        if is_failure(item):
+            raise _native_error(item, body, model)
+        content = "".join(parts)
+        answer = {"index": 0, "content": content, "tokens": [e.token for e in probs] if body.return_tokens else [],
+                  **_native_end(item, model.id), **end, "has_new_line": "\n" in content}
+        if body.n_probs:
+            answer["completion_probabilities"] = _native_probs(probs, post_sampling)
+        return web.json_response(pick(answer) if pick is not None else answer)
+
+
+def _native_end(done: p.Done, model: str) -> dict:
+    stop_type = "word" if done.stopping_word else _STOP_TYPES.get(done.finish_reason, done.finish_reason)
+    return {"stop": True, "model": model, "stop_type": stop_type, "stopping_word": done.stopping_word,
+            "tokens_predicted": done.completion_tokens, "tokens_evaluated": done.prompt_tokens,
+            "tokens_cached": done.cached_tokens, "truncated": False, "timings": timings(done)}
+
+
+def _native_probs(entries: list[p.TokenLogprob], post_sampling: bool = False) -> list[dict]:
+    """llama-server's completion_probabilities: log-probabilities of the model's
+    own distribution, or (post_sampling_probs) probabilities of the one the
+    sampler chain drew from, under its other names (prob, top_probs)."""
+    if post_sampling:
+        return [{"id": e.token, "token": piece_text(e.piece), "bytes": list(e.piece), "prob": math.exp(e.logprob),
+                 "top_probs": [{"id": t.token, "token": piece_text(t.piece), "bytes": list(t.piece),
+                                "prob": math.exp(t.logprob)} for t in e.top]} for e in entries]
+    return [{"id": e.token, "token": piece_text(e.piece), "bytes": list(e.piece), "logprob": e.logprob,
+             "top_logprobs": [{"id": t.token, "token": piece_text(t.piece), "bytes": list(t.piece), "logprob": t.logprob}
+                              for t in e.top]} for e in entries]
+
+
+async def _native_stream(request: web.Request, job: Job, model: str, item, body: NativeCompletionRequest,
+                         end: dict) -> web.StreamResponse:
+    """As llama-server streams /completion: `data: {...}` lines, the last with stop: true (no [DONE])."""
+    response = await open_event_stream(request, job)
+    encode = msgspec.json.encode
+    post_sampling = end["generation_settings"]["post_sampling_probs"]
+    while isinstance(item, p.Tokens):
+        if item.text or item.logprobs:
+            chunk = {"index": 0, "content": item.text, "stop": False,
+                     "tokens": [e.token for e in item.logprobs] if body.return_tokens else []}
+            if body.n_probs:
+                chunk["completion_probabilities"] = _native_probs(item.logprobs, post_sampling)
+            await response.write(b"data: " + encode(chunk) + b"\n\n")
+        item = await job.next(None)
+    if is_failure(item):
+        await response.write(b"data: " + encode(failure_error(item).body()) + b"\n\n")
+    else:
+        final = {"index": 0, "content": "", "tokens": [], **_native_end(item, model), **end}
+        await response.write(b"data: " + encode(final) + b"\n\n")
+    await response.write_eof()
+    return response
