@@ -26,7 +26,6 @@ MAX_LINES = 600
 # Where one dialect still uses another's code today: each is a piece left to
 # move into the core (or to a shared module), not a shape to copy.
 CROSS_DIALECT = {
-    ("anthropic", "responses"),  # _Refused, _tagged, _union: the block-union helpers of both bodies
     ("ollama", "openai"),  # StreamedChoice (the tool-call/reasoning stream reader) and piece_text
     ("llama_server", "openai"),  # piece_text and timings (llama-server's own timings block)
     ("responses", "openai"),  # ChatShape, for the usage it reports

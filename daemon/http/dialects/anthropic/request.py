@@ -32,8 +32,8 @@ from pydantic import (Discriminator, Field, StrictBool, Tag, ValidationError, Va
 from daemon.http.errors import ApiError
 from daemon.http.keys import FLEET
 from daemon.http.core.job import chat_inputs, chat_job, generation_model, parse_body, tool_mode
-# responses.py's tagged unions: a block of an unknown type is refused by what it is.
-from daemon.http.dialects.responses.request import _Refused, _tagged, _union
+# Tagged unions (core/tagged.py): a block of an unknown type is refused by what it is.
+from daemon.http.core.tagged import Refused, tagged, union_of
 from daemon.http.core.conversation import ChatCompletionRequest, ChatMessageIn, ImagePart, ImageURL, TextPart
 from daemon.http.core.schemas import (_at_most, _json_within, CacheSalt, field_name, INT32_MAX, MAX_CONTENT_PARTS,
                                       MAX_MESSAGES, MAX_STOP_CHARS, MAX_STOPS, MAX_TOOL_CALLS, MAX_TOOLS, RequestModel)
@@ -84,14 +84,14 @@ class Base64Source(RequestModel):
     data: str
 
 
-class RefusedSource(_Refused):
+class RefusedSource(Refused):
     REASONS: ClassVar[dict[str | None, str]] = {
         "url": "image sources of type 'url' are not fetched (no remote fetching): send the image as base64",
         "file": "image sources of type 'file' name stored files, and Dormouse stores none: send the image as base64",
         None: "image sources of type {kind!r} are not supported: send {{type: 'base64', media_type, data}}"}
 
 
-ImageSource = Annotated[_union(Base64Source, RefusedSource), _tagged({"base64": Base64Source}, RefusedSource)]
+ImageSource = Annotated[union_of(Base64Source, RefusedSource), tagged({"base64": Base64Source}, RefusedSource)]
 
 
 class ImageBlock(RequestModel):
@@ -117,13 +117,13 @@ class ToolUseBlock(RequestModel):
         return _bounded_json(value, "input")
 
 
-class RefusedResultPart(_Refused):
+class RefusedResultPart(Refused):
     REASONS: ClassVar[dict[str | None, str]] = {
         None: "tool_result content blocks of type {kind!r} are not supported: send text and image blocks"}
 
 
-ResultPart = Annotated[_union(TextBlock, ImageBlock, RefusedResultPart),
-                       _tagged({"text": TextBlock, "image": ImageBlock}, RefusedResultPart)]
+ResultPart = Annotated[union_of(TextBlock, ImageBlock, RefusedResultPart),
+                       tagged({"text": TextBlock, "image": ImageBlock}, RefusedResultPart)]
 
 
 class ToolResultBlock(RequestModel):
@@ -164,7 +164,7 @@ class RedactedThinkingBlock(RequestModel):
     data: str = ""
 
 
-class RefusedBlock(_Refused):
+class RefusedBlock(Refused):
     REASONS: ClassVar[dict[str | None, str]] = {
         "document": "document blocks are not supported: send the document's text as a text block",
         "search_result": "search_result blocks are not supported: send the results as text blocks",
@@ -175,9 +175,9 @@ class RefusedBlock(_Refused):
               "thinking blocks"}
 
 
-Block = Annotated[_union(TextBlock, ImageBlock, ToolUseBlock, ToolResultBlock, ThinkingBlock, RedactedThinkingBlock,
+Block = Annotated[union_of(TextBlock, ImageBlock, ToolUseBlock, ToolResultBlock, ThinkingBlock, RedactedThinkingBlock,
                          RefusedBlock),
-                  _tagged({"text": TextBlock, "image": ImageBlock, "tool_use": ToolUseBlock,
+                  tagged({"text": TextBlock, "image": ImageBlock, "tool_use": ToolUseBlock,
                            "tool_result": ToolResultBlock, "thinking": ThinkingBlock,
                            "redacted_thinking": RedactedThinkingBlock}, RefusedBlock)]
 
@@ -203,11 +203,11 @@ class MessageIn(RequestModel):
         return self
 
 
-class RefusedSystemBlock(_Refused):
+class RefusedSystemBlock(Refused):
     REASONS: ClassVar[dict[str | None, str]] = {None: "system blocks of type {kind!r} are not supported: send text blocks"}
 
 
-SystemBlock = Annotated[_union(TextBlock, RefusedSystemBlock), _tagged({"text": TextBlock}, RefusedSystemBlock)]
+SystemBlock = Annotated[union_of(TextBlock, RefusedSystemBlock), tagged({"text": TextBlock}, RefusedSystemBlock)]
 
 
 # -- tools, tool_choice, thinking --------------------------------------------------------
@@ -234,7 +234,7 @@ class ToolDef(RequestModel):
                                                  "parameters": self.input_schema}}
 
 
-class RefusedTool(_Refused):
+class RefusedTool(Refused):
     REASONS: ClassVar[dict[str | None, str]] = {
         None: "tools of type {kind!r} are server tools, and none runs here: give client tools "
               "{{name, description, input_schema}} (the client runs them)"}
@@ -246,7 +246,7 @@ def _tool_tag(value: Any) -> str:
     return ToolDef.__name__ if kind in (None, "custom") else RefusedTool.__name__
 
 
-Tool = Annotated[_union(ToolDef, RefusedTool), Discriminator(_tool_tag)]
+Tool = Annotated[union_of(ToolDef, RefusedTool), Discriminator(_tool_tag)]
 
 
 class ChoiceAuto(RequestModel):
@@ -269,13 +269,13 @@ class ChoiceNone(RequestModel):
     type: Literal["none"]
 
 
-class RefusedChoice(_Refused):
+class RefusedChoice(Refused):
     REASONS: ClassVar[dict[str | None, str]] = {
         None: "tool_choice of type {kind!r} is not one of auto, any, tool (with name) or none"}
 
 
-ToolChoice = Annotated[_union(ChoiceAuto, ChoiceAny, ChoiceTool, ChoiceNone, RefusedChoice),
-                       _tagged({"auto": ChoiceAuto, "any": ChoiceAny, "tool": ChoiceTool, "none": ChoiceNone},
+ToolChoice = Annotated[union_of(ChoiceAuto, ChoiceAny, ChoiceTool, ChoiceNone, RefusedChoice),
+                       tagged({"auto": ChoiceAuto, "any": ChoiceAny, "tool": ChoiceTool, "none": ChoiceNone},
                                RefusedChoice)]
 
 

@@ -15,17 +15,17 @@ answer says store: false), while `previous_response_id`, `conversation` and
 from __future__ import annotations
 
 import re
-from typing import Annotated, Any, ClassVar, Literal, Union
+from typing import Annotated, Any, ClassVar, Literal
 
 from aiohttp import web
-from pydantic import (ConfigDict, Discriminator, Field, Tag, ValidationError, ValidationInfo, field_validator,
-                      model_validator)
+from pydantic import ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from daemon.http.errors import ApiError
 from daemon.http.keys import FLEET
 from daemon.http.core.job import chat_inputs, chat_job, generation_model, parse_body, tool_mode
 from daemon.http.core.conversation import (ChatCompletionRequest, ChatMessageIn, FunctionIn, ImagePart, ImageURL,
                                            TextPart, ToolIn)
+from daemon.http.core.tagged import Refused, tagged, union_of
 from daemon.http.core.schemas import (_at_most, CacheSalt, field_name, MAX_CONTENT_PARTS, MAX_MESSAGES, MAX_TOOL_CALLS,
                                       MAX_TOOLS, MAX_TOP_LOGPROBS, RequestModel)
 
@@ -42,48 +42,8 @@ ShortText = Annotated[str, Field(max_length=512)]
 CallId = Annotated[str, Field(min_length=1, max_length=256)]
 
 
-def _kind(value: Any) -> Any:
-    return value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
-
-
-def _tagged(tags: dict[str, type], fallback: type, default: str | None = None) -> Discriminator:
-    """A discriminator on `type` whose tags are class names: field_name leaves
-    them out of an error's location ('input.2.content.0.image_url')."""
-    def tag(value: Any) -> str:
-        kind = _kind(value)
-        if kind is None and default is not None and isinstance(value, dict) and "role" in value:
-            kind = default  # an EasyInputMessage: {role, content} without type
-        return tags[kind].__name__ if isinstance(kind, str) and kind in tags else fallback.__name__
-    return Discriminator(tag)
-
-
-def _union(*models: type) -> Any:
-    return Union[tuple(Annotated[m, Tag(m.__name__)] for m in models)]  # noqa: UP007 - a runtime union of tags
-
-
-def _matches_nothing(schema: dict[str, Any]) -> None:
-    # /openapi.json: a refused variant is valid for nothing, so a reader (or a generator) sees the supported ones.
-    schema.clear()
-    schema.update({"not": {}, "description": "any other type: refused with a 400 that says why"})
-
-
 def _null_only(why: str) -> dict[str, Any]:
     return {"type": "null", "description": why}
-
-
-class _Refused(RequestModel):
-    """An item, part or tool of a type Dormouse does not take: refused with a message that says why."""
-
-    model_config = ConfigDict(json_schema_extra=_matches_nothing)
-    REASONS: ClassVar[dict[str | None, str]] = {None: "{kind!r} is not supported"}
-
-    type: Any = None
-
-    @model_validator(mode="after")
-    def _refuse(self) -> Any:
-        table = self.REASONS
-        kind = self.type if isinstance(self.type, str) else None
-        raise ValueError(table.get(kind) or table[None].format(kind=kind[:64] if kind else self.type))
 
 
 # -- content parts -------------------------------------------------------------------
@@ -114,14 +74,14 @@ class ImageIn(RequestModel):
         return self
 
 
-class RefusedPart(_Refused):
+class RefusedPart(Refused):
     REASONS: ClassVar[dict[str | None, str]] = {"input_file": "input_file parts are not supported: send the file's text as input_text",
                None: "content parts of type {kind!r} are not supported: send input_text, output_text, refusal or "
                      "input_image"}
 
 
-Part = Annotated[_union(TextIn, RefusalIn, ImageIn, RefusedPart),
-                 _tagged({"input_text": TextIn, "output_text": TextIn, "refusal": RefusalIn, "input_image": ImageIn},
+Part = Annotated[union_of(TextIn, RefusalIn, ImageIn, RefusedPart),
+                 tagged({"input_text": TextIn, "output_text": TextIn, "refusal": RefusalIn, "input_image": ImageIn},
                          RefusedPart)]
 Parts = Annotated[list[Part], Field(max_length=MAX_CONTENT_PARTS)]
 
@@ -175,7 +135,7 @@ class FunctionCallOutputItem(RequestModel):
         return _parts(value)
 
 
-class RefusedItem(_Refused):
+class RefusedItem(Refused):
     REASONS: ClassVar[dict[str | None, str]] = {
         "item_reference": "item_reference items name stored items, and Dormouse stores none (it is stateless, like "
                           "llama-server): send the items themselves",
@@ -185,8 +145,8 @@ class RefusedItem(_Refused):
     }
 
 
-Item = Annotated[_union(MessageItem, FunctionCallItem, FunctionCallOutputItem, RefusedItem),
-                 _tagged({"message": MessageItem, "function_call": FunctionCallItem,
+Item = Annotated[union_of(MessageItem, FunctionCallItem, FunctionCallOutputItem, RefusedItem),
+                 tagged({"message": MessageItem, "function_call": FunctionCallItem,
                           "function_call_output": FunctionCallOutputItem}, RefusedItem, default="message")]
 
 
@@ -209,12 +169,12 @@ class FunctionToolIn(RequestModel):
                 "parameters": self.parameters, "strict": self.strict}
 
 
-class RefusedTool(_Refused):
+class RefusedTool(Refused):
     REASONS: ClassVar[dict[str | None, str]] = {None: "tools of type {kind!r} are not supported: Dormouse offers function tools only (the client "
                      "runs them)"}
 
 
-Tool = Annotated[_union(FunctionToolIn, RefusedTool), _tagged({"function": FunctionToolIn}, RefusedTool)]
+Tool = Annotated[union_of(FunctionToolIn, RefusedTool), tagged({"function": FunctionToolIn}, RefusedTool)]
 
 
 class TextFormat(RequestModel):
