@@ -1,6 +1,6 @@
 """The aiohttp application: composition, and the one middleware that decides
-who may call what before any handler runs. Handlers live in openai_routes and
-llama_routes and admin_routes; the controller and settings are reached through AppKeys.
+who may call what before any handler runs. Handlers live in dialects/<name>/
+request.py and admin/routes.py; the controller and settings are reached through AppKeys.
 
 Access, in order (each refusal is an OpenAI error body):
 - Host (on by default): a Host header naming a host this daemon is not known
@@ -25,7 +25,7 @@ Access, in order (each refusal is an OpenAI error body):
   is set. 401 otherwise. Anthropic's clients send the key as `x-api-key`,
   which is read beside `Authorization: Bearer`. The key found names the
   caller: its name is the request's prompt-cache scope (with the body's
-  cache_salt, openai_routes.parse_body), and only the admin key (or, with no
+  cache_salt, core/job.py's parse_body), and only the admin key (or, with no
   admin key set, any caller that may call /sleep) may load or unload a model
   through another route (Ollama's keep_alive and empty requests).
 - Content-Type: a POST body must be declared `application/json` (415
@@ -38,7 +38,7 @@ Errors are rendered in the dialect of the path (errors.dialect_of): OpenAI's
 shape, Anthropic's under /v1/messages, Ollama's under /api/.
 
 Every answered request gets one `request` log line (endpoint, status, code);
-generation requests log theirs in openai_routes with their timings.
+generation requests log theirs in core/run.py (tracked) with their timings.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ reasoning_content; each tool_result block a tool turn answering its call (by
 tool_use_id, in the order the blocks came); image blocks (base64) image parts;
 `tools` chat's function tools (input_schema as parameters); tool_choice auto,
 any (chat's required), tool (a named function) and none; stop_sequences chat's
-stop. What the worker answers is shaped by anthropic_stream.py.
+stop. What the worker answers is shaped by answer.py.
 
 Refused by name, never ignored: server tools (web search, bash, code
 execution: nothing here runs them), document and other server-side blocks,
@@ -471,7 +471,7 @@ def _content(parts: list) -> str | list:
 
 class MessagesRequest(CountTokensRequest):
     max_tokens: int = Field(ge=1, le=1_000_000, strict=True, description="required, as Anthropic's")
-    cache_salt: CacheSalt | None = None  # vLLM's field: the prompt-cache scope within the key's (openai_routes.parse_body)
+    cache_salt: CacheSalt | None = None  # vLLM's field: the prompt-cache scope within the key's (core/job.py's parse_body)
     stop_sequences: Annotated[list[Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]],
                               Field(max_length=MAX_STOPS)] | None = None
     stream: StrictBool = False

@@ -2,7 +2,7 @@
 (llama.vim, llama.vscode) call it: input_prefix, input_suffix, input_extra
 (other files' chunks), prompt (what is already typed in the gap), n_predict,
 stream, cache_prompt and /completion's sampling fields. The answer is
-/completion's (its shapes and its stream are llama_routes'), and
+/completion's (its shapes and its stream are answer.py's), and
 `response_fields` picks from it as llama-server does ("timings/prompt_n"
 -> {"timings/prompt_n": ...}).
 
@@ -94,7 +94,7 @@ def pick_fields(answer: dict, paths: list[str]) -> dict:
 
 
 async def infill(request: web.Request) -> web.StreamResponse:
-    """/completion's flow (llama_routes.completion), with a FIM prompt the worker builds."""
+    """/completion's flow (request.py's completion), with a FIM prompt the worker builds."""
     body = await parse_body(request, InfillRequest)
     grammar = await structured_grammar(request, body)
     model = generation_model(request, body)

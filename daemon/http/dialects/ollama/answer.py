@@ -7,8 +7,8 @@ with `done: false` and a piece of the text, the last with `done: true`,
 after the headers went out is one more line, {"error": "..."}. Without
 `stream`, the same last object carries the whole text.
 
-Tool calls are read as chat completions read them (openai_routes.ToolMode,
-StreamedChoice: text that may be a call is held back while it streams); Ollama
+Tool calls are read as chat completions read them (core/job.py's ToolMode,
+openai/answer.py's StreamedChoice: text that may be a call is held back while it streams); Ollama
 gives a call's arguments as an object, and sends the calls in one line before
 the last.
 """

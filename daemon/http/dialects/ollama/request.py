@@ -5,8 +5,8 @@ Ollama's fields: `options.num_predict`, `messages.0.images.1`, `keep_alive`),
 then rewritten as the OpenAI body Dormouse already serves (ChatCompletionRequest
 or CompletionRequest) and validated again with its bounds, so every number
 that reaches llama.cpp is bounded once, in schemas.py. What the worker sends
-back is written in Ollama's shapes by ollama_stream.py; tags, ps, show and
-version are answered from the fleet by ollama_models.py.
+back is written in Ollama's shapes by answer.py; tags, ps, show and
+version are answered from the fleet by models.py.
 
 Rules where Ollama and Dormouse differ (each a 400 naming the field, never
 ignored):

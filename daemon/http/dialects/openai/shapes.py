@@ -2,7 +2,7 @@
 /v1/completions and /v1/chat/completions, with usage, logprobs in OpenAI's two
 shapes, tool calls, and llama-server's `timings`.
 
-Nothing here waits or decides: openai_routes.py feeds a shape what the worker
+Nothing here waits or decides: answer.py feeds a shape what the worker
 sent and writes what it returns.
 """
 

@@ -2,10 +2,10 @@
 POST /v1/responses/input_tokens and POST /v1/chat/completions/input_tokens.
 
 A Responses body is translated into the chat completions request it means
-(schemas.ChatCompletionRequest: messages, tools, tool_choice, response_format,
+(core/conversation.py's ChatCompletionRequest: messages, tools, tool_choice, response_format,
 max_completion_tokens and the sampling fields), which then takes chat's own
 path: its validation, image checks, grammar, tool mode and one chat job
-("responses"). responses_stream writes what comes back in Responses' shapes.
+("responses"). answer.py writes what comes back in Responses' shapes.
 
 Stateless, like llama-server: nothing is stored. `store` is accepted (the
 answer says store: false), while `previous_response_id`, `conversation` and
