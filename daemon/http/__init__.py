@@ -5,8 +5,11 @@
         request names, error bodies in each dialect's shape, the cold-start
         headers, the HAProxy agent check (its own TCP port).
     core/
-        knows no dialect: a body becomes the internal job (validated and bounded
-        once), the job runs, and what the worker sends back comes out as events.
+        knows no dialect: a body becomes the internal job (job.py: validated and
+        bounded once), the job runs (run.py), and what the worker sends back
+        comes out of `job.next()` as its items: Tokens (text, logprobs, whether
+        thinking is open), then Done (the end, its reason, the counts) or a
+        JobFailure; failure_error turns a failed end into the ApiError it is.
     dialects/<name>/
         one package per dialect, each of the same two halves: its request to the
         job, and the job's events to its answer (one body, or a stream).

@@ -1,1 +1,2 @@
-"""The dialect-free core: a request body to the internal job, run, its events out (see daemon/http/__init__.py)."""
+"""The dialect-free core: a body to the job (job.py), the job run and its items read (run.py), the bodies' bounds
+(schemas.py, conversation.py, tagged.py, images.py). See daemon/http/__init__.py."""
