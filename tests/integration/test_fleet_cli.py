@@ -18,20 +18,20 @@ def test_cli_shows_every_model_and_drives_one(tmp_path, bundled_model):
         d.wait_state("ready")
 
         def cli(*args):
-            done = subprocess.run([sys.executable, "-m", "daemon", *args, "--url", d.url], cwd=ROOT,
+            done = subprocess.run([sys.executable, "-m", "daemon", *args, "--json", "--url", d.url], cwd=ROOT,
                                   capture_output=True, text=True, timeout=60)
             assert done.returncode == 0, done.stderr
             return json.loads(done.stdout)
 
         status = cli("status")
         assert status["id"] == "chat" and status["state"] == "ready"
-        assert {k: v["status"] for k, v in status["models"].items()} == {"chat": "loaded", "coder": "sleeping"}
-        assert status["memory"]["budget_bytes"] == 64 * 2**30
+        assert {m["id"]: m["status"] for m in status["fleet"]["models"]} == {"chat": "loaded", "coder": "sleeping"}
+        assert status["fleet"]["budget_bytes"] == 64 * 2**30
         woke = cli("wake", "--model", "code")  # an alias
         assert woke["model"] == "coder" and woke["state"] == "ready"
         assert cli("status", "--model", "coder")["state"] == "ready"
         slept = cli("sleep", "--model", "coder")
         assert slept["model"] == "coder" and slept["state"] == "sleeping"
-        assert cli("status")["models"]["chat"]["status"] == "loaded"
+        assert {m["id"]: m["status"] for m in cli("status")["fleet"]["models"]}["chat"] == "loaded"
     finally:
         d.stop()

@@ -13,11 +13,12 @@ import json
 
 from tests.conftest import DaemonProcess
 from tests.fixtures.fleet import write_toml
+from tests.fixtures.tiny_model import write_tiny_model
 
 
 def test_per_model_log_lines_carry_the_model_id(tmp_path):
     gguf = tmp_path / "m.gguf"
-    gguf.write_bytes(b"GGUF")  # the fake worker never reads it; the daemon only checks that it exists
+    write_tiny_model(gguf)  # the fake worker never loads it; the daemon checks its header and size
     toml = write_toml(tmp_path / "fleet.toml", {"one": {"path": str(gguf)}, "two": {"path": str(gguf)}},
                       memory_budget="1GiB", sleep_idle_seconds=-1, spawn_ahead=False,
                       state_dir=str(tmp_path / "state"), worker_module="tests.fakes.fake_worker")
