@@ -16,7 +16,7 @@ import random
 
 import pytest
 
-from tests.e2e.test_cache_answers import Trial, seed, words
+from tests.e2e.test_cache_answers import words
 from tests.metrics_text import value
 
 pytestmark = pytest.mark.e2e
@@ -157,49 +157,5 @@ def test_two_scopes_never_share_a_cache_and_a_probe_learns_nothing(start_daemon,
     assert set(counts.values()) == {0}, counts  # the right guess (7) reads as much as every wrong one
 
 
-class RestartingTrial(Trial):
-    """test_cache_answers' trial, with daemon restarts among its operations."""
-
-    def __init__(self, d, fresh, rng, restart, script=()) -> None:
-        super().__init__(d, fresh, rng, script)
-        self.restart = restart
-
-    def prompt(self):
-        if self.last is not None and (self.script[:1] == ["restart"] or not self.script and self.rng.random() < 0.2):
-            if self.script:
-                self.script.pop(0)
-            self.d.stop()
-            self.d = self.restart()
-            self.script.insert(0, self.rng.choice(["regenerate", "edit", "turn"]))
-        return super().prompt()
-
-
-@pytest.mark.parametrize("deterministic, batch_size, steps, default_seed, script", [
-    (True, 128, 10, 261, ("long", "sleep regenerate", "restart", "away", "edit")),
-    (False, 512, 10, 262, ("long", "sleep regenerate", "away", "regenerate", "restart", "sleep edit")),
-])
-def test_random_conversations_with_regenerates_edits_sleeps_evictions_and_restarts(
-        start_daemon, tmp_path, deterministic, batch_size, steps, default_seed, script):
-    """Deterministic mode: every greedy answer equals a fresh read's token for
-    token (a window checkpoint is never exact, so that mode does not use them).
-    The default mode: a prompt that keeps nothing equals the fresh read, one
-    that keeps cells (checkpoints included) never reads a hole."""
-    s = seed(default_seed)
-    print(f"\nDORMOUSE_PROPERTY_SEED={s}")
-    env = {"DORMOUSE_KV_CACHE_MIN_TOKENS": "16", "DORMOUSE_CACHE_DETERMINISTIC": str(deterministic).lower()}
-
-    def start(name):
-        d = start_daemon("--parallel", "2", "--ctx-size", "4096", "--batch-size", str(batch_size),
-                         "--sleep-idle-seconds", "-1", "--state-dir", str(tmp_path / name), env=env)
-        d.wait_state("ready")
-        return d
-
-    fresh = start("fresh")
-    trial = RestartingTrial(start("trial"), fresh, random.Random(s), lambda: start("trial"), script=script)
-    for _ in range(steps):
-        trial.step(deterministic)
-    print("\n".join(trial.log))
-    print(f"kept cells by tier: {trial.tiers}")
-    assert trial.kept >= 3, trial.log
-    if not deterministic:  # the checkpoints served: a regenerate after a sleep, an eviction, a restart
-        assert trial.tiers.get("ram", 0) >= 1 and trial.tiers.get("disk", 0) >= 1, trial.log
+# Random conversations with regenerates, edits, sleeps, RAM-tier evictions and restarts,
+# compared with fresh reads: tests/e2e/test_cache_answers.py (its Trial has every one of these operations).

@@ -122,14 +122,32 @@ def test_missing_and_non_gguf_model_exit_nonzero_with_message(tmp_path):
 
 
 def test_corrupt_gguf_goes_failed_and_daemon_keeps_answering(start_daemon, tmp_path, bundled_model):
+    """A file cut short before the start is refused at once, in one line; one cut
+    short while the model sleeps fails the wake, and the daemon keeps answering."""
+    import shutil
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
     broken = tmp_path / "truncated.gguf"
     with open(bundled_model, "rb") as src:
         broken.write_bytes(src.read(1 << 20))  # right magic, cut off after 1 MiB
-    d = start_daemon("--model", str(broken))
-    health = d.wait_state("failed")
-    assert "truncated.gguf" in health["error"]
-    assert d.http.get("/health").status_code == 503
+    refused = subprocess.run([sys.executable, "-m", "daemon", "serve", "--model", str(broken)], cwd=ROOT,
+                             capture_output=True, text=True, timeout=120)
+    assert refused.returncode == 2 and "truncated.gguf" in refused.stderr and "Traceback" not in refused.stderr
+
+    model = tmp_path / "cut-later.gguf"
+    shutil.copyfile(bundled_model, model)
+    d = start_daemon("--model", str(model), "--sleep-idle-seconds", "-1")
+    d.wait_state("ready")
+    assert d.http.post("/sleep").status_code == 200
+    with open(model, "r+b") as f:
+        f.truncate(1 << 20)
     response = complete(d)
     assert response.status_code == 503
-    assert "truncated.gguf" in response.json()["error"]["message"]
+    assert "cut-later.gguf" in response.json()["error"]["message"]
+    health = d.wait_state("failed")
+    assert "cut-later.gguf" in health["error"]
+    assert d.http.get("/health").status_code == 503
     assert d.proc.poll() is None
