@@ -63,11 +63,12 @@ def normalize_host(name: str, strict: bool = False) -> str:
 
 def normalize_origin(origin: str) -> str:
     """'https://ui.example:8443' as browsers send it in Origin (no path, the
-    default port left out), or '*'; anything else is refused."""
+    default port left out), or '*', or 'localhost' (llama-server's keyword:
+    every origin on a loopback host, any port); anything else is refused."""
     from yarl import URL
 
     origin = origin.strip()
-    if origin == "*":
+    if origin in ("*", "localhost"):
         return origin
     try:
         url = URL(origin)
@@ -106,8 +107,8 @@ class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="forbid", validate_default=True)
 
     # -- network --
-    host: str = Field("127.0.0.1", description="address to bind; 127.0.0.1 unless told otherwise")
-    port: int = Field(8080, ge=0, le=65535)
+    host: str = Field("127.0.0.1", description="address to bind; any but a loopback address (127.0.0.0/8, ::1, localhost) requires admin_key, and so does a socket that systemd passes")
+    port: int = Field(8080, ge=0, le=65535, description="TCP port to serve on (with --host)")
 
     # -- model --
     model: Path | None = Field(None, description="GGUF file; empty means the bundled Gemma 3 270M")
@@ -122,17 +123,18 @@ class Settings(BaseSettings):
     model_draft: Path | None = Field(None, description="draft model for speculative decoding")
     mmproj: Path | None = Field(None, description="multimodal projector GGUF")
     ctx_size: int = Field(4096, ge=64, description="total context, shared by the slots")
-    parallel: int = Field(4, ge=1, le=256, description="slots")
+    parallel: int = Field(4, ge=1, le=256, description="slots: requests served at once, each with ctx_size / parallel tokens of context")
     threads: int | None = Field(None, ge=1, description="CPU threads; default: all cores")
     n_gpu_layers: int = Field(-1, ge=-1, description="layers on the GPU; -1 all")
-    batch_size: int = Field(512, ge=1)
+    batch_size: int = Field(512, ge=1, description="tokens per decode step (llama.cpp's n_batch): larger reads long prompts faster and takes more compute memory")
     chat_template_file: Path | None = Field(None, description="Jinja chat template overriding the GGUF's")
     chat_template: str | None = Field(None, description="chat template overriding the GGUF's: Jinja text, or one of "
                                       "llama.cpp's built-in names (chatml, llama3, gemma, mistral-v7, phi3, ...); "
                                       "chat_template_file comes first")
-    draft_max: int = Field(16, ge=1)
-    draft_min: int = Field(0, ge=0)
-    draft_p_min: float = Field(0.75, ge=0.0, le=1.0)
+    draft_max: int = Field(16, ge=1, description="with model_draft: most tokens the draft model proposes per step")
+    draft_min: int = Field(0, ge=0, description="with model_draft: fewest drafted tokens worth verifying; fewer are dropped")
+    draft_p_min: float = Field(0.75, ge=0.0, le=1.0,
+                               description="with model_draft: drafting stops at a token the draft model gives less than this probability")
     cpu_repack: bool = Field(False, description="repacked CPU weights: batch-size-dependent kernels, so outputs depend on batching")
     warmup: bool = Field(True, description="one decode after a load at start or by POST /wake (a wake for a request skips it: the request warms up)")
     embeddings: bool = Field(False, description="serve /v1/embeddings from this model (a pooled context; it then generates no text)")
@@ -175,7 +177,7 @@ class Settings(BaseSettings):
                     "a JSON object, or name:key pairs separated by commas")
     admin_key: SecretStr | None = Field(None, description="Bearer key for /sleep, /wake, /models/load|unload, Ollama's "
                                                           "load and unload (keep_alive); it opens the API routes too")
-    max_body_bytes: int = Field(8 * 1024 * 1024, ge=1024)
+    max_body_bytes: int = Field(8 * 1024 * 1024, ge=1024, description="largest request body accepted; a larger one is refused with 413")
     allowed_hosts: Annotated[list[str], NoDecode] = Field(
         default_factory=list, max_length=256,
         description="Host header names (no port) the daemon answers beside those it always answers (localhost, "
@@ -190,7 +192,8 @@ class Settings(BaseSettings):
     cors_origins: Annotated[list[str], NoDecode] = Field(
         default_factory=list, max_length=256,
         description="browser origins (scheme://host[:port]) whose pages may call the daemon: their requests get "
-                    "CORS headers and every route answers the OPTIONS preflight; \"*\" allows any origin; empty: "
+                    "CORS headers and every route answers the OPTIONS preflight; \"*\" allows any origin, \"localhost\" "
+                    "every origin on a loopback host (localhost, 127.0.0.1, [::1]) and any port; empty: "
                     "none (a cross-origin POST is 403). A list, or origins separated by commas. Keys still apply")
     metrics_key: SecretStr | None = Field(
         None, description="Bearer key for /health and /metrics; none: both open. Probes and scrapers must then send it")
@@ -240,6 +243,12 @@ class Settings(BaseSettings):
     kv_cache_disk_bytes: int = Field(
         4 * 2**30, description="bytes of saved prompt caches per model (an int, or '4GiB'); least recently used go "
                                "first; 0 turns saving off")
+    shared_cache_dir: Path | None = Field(
+        None, description="a directory several replicas mount (a ReadWriteMany volume, NFS): the disk tier of the "
+                          "prompt cache is written there too, under kv/<the model's content and context layout>, and "
+                          "any replica of the same model and layout restores from it (a conversation's next turn on "
+                          "another replica); kv_cache_disk_bytes is its budget per model too. A replica that cannot "
+                          "reach it serves from its own state_dir; none: off")
     slot_save_path: Path | None = Field(
         None, description="POST /slots/{id}?action=save|restore writes and reads named prompt-cache files in "
                           "<slot_save_path>/<model id>/ (llama-server's --slot-save-path); none: those actions are off")
@@ -257,8 +266,10 @@ class Settings(BaseSettings):
                                       "the daemon still serves, so the balancer stops first; 0: off")
 
     # -- operations --
-    log_format: Literal["auto", "console", "json"] = "auto"
-    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    log_format: Literal["auto", "console", "json"] = Field(
+        "auto", description="log lines as JSON (one object a line) or for people (console); auto: console on a terminal "
+        "or journald (there with journald's <N> priority prefix), JSON otherwise; json: never prefixed")
+    log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="the least severe log level written")
     shutdown_timeout: float = Field(30, ge=0, description="how long SIGTERM lets in-flight requests finish; with teardown_timeout it must fit systemd's TimeoutStopSec")
     state_dir: Path | None = Field(None, description="the daemon's own files: models by name (models/), saved prompt "
                                    "caches (kv/), footprints, wake history, the lock; default $STATE_DIRECTORY or "
@@ -440,7 +451,8 @@ class Settings(BaseSettings):
             raise ValueError("must be an integer, not a boolean")
         return value
 
-    @field_validator("model", "model_draft", "mmproj", "chat_template_file", "state_dir", mode="before")
+    @field_validator("model", "model_draft", "mmproj", "chat_template_file", "state_dir", "shared_cache_dir",
+                     mode="before")
     @classmethod
     def _empty_path_is_none(cls, value: Any) -> Any:
         return None if value == "" else value

@@ -294,7 +294,9 @@ OPTIONS: tuple[Option, ...] = (
         accepted("/metrics is always served (metrics_compat=llamacpp adds llama-server's names)")),
     opt("--props", "LLAMA_ARG_ENDPOINT_PROPS", "flag", refused("POST /props cannot change Dormouse's settings")),
     opt("--slots", "LLAMA_ARG_ENDPOINT_SLOTS", "switch", switch(
-        accepted("/slots is always served"), refused("/slots is always served; guard it with --api-key")),
+        # llama-server's own test suite passes --no-slots on every start: refusing it refused every such command line.
+        accepted("/slots is always served"),
+        accepted("/slots is always served; guard it with --api-key")),
         negative="--no-slots"),
     opt("--slot-save-path", None, "string", setting("slot_save_path")),
     opt("--media-path", None, "string", refused("local media files are not read: send images in the request")),
@@ -305,7 +307,9 @@ OPTIONS: tuple[Option, ...] = (
         negative="--no-models-autoload"),
     opt("--jinja", "LLAMA_ARG_JINJA", "switch", switch(
         accepted("Dormouse always renders the Jinja chat template"),
-        refused("Dormouse always renders the Jinja chat template")), negative="--no-jinja"),
+        # llama-server without --jinja picks a built-in template by name; Dormouse renders the GGUF's own, which a
+        # built-in one only imitates. Accepted (llama-server's test suite passes --no-jinja on every start).
+        accepted("Dormouse always renders the model's Jinja chat template")), negative="--no-jinja"),
     opt("--reasoning-format", "LLAMA_ARG_THINK", "string", refused(REASONING)),
     opt("-rea --reasoning", "LLAMA_ARG_REASONING", "string", refused(REASONING)),
     opt("--reasoning-effort", "LLAMA_ARG_REASONING_EFFORT", "string", refused(REASONING)),

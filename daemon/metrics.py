@@ -17,7 +17,7 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from daemon.metrics_compat import CompatExport
@@ -25,6 +25,11 @@ from statemachine import ServerState, SlotState
 
 if TYPE_CHECKING:
     from daemon.protocol import Done
+
+# No `<name>_created` series beside each counter and histogram (one per series, 49 on a fresh
+# daemon): Prometheus reads the text format, which needs none, and they doubled what a scrape
+# lists. prometheus_client has one switch for this, for the whole process (the daemon's alone).
+disable_created_metrics()
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1, 1.5, 2, 3, 5, 10, 30, 60)
 RESUME_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.75, 1, 1.5, 2, 3, 5, 10, 30, 60, 120)
@@ -148,7 +153,6 @@ class MetricFamilies:
             "dormouse_request_duration_seconds", "From request accepted to answer complete", M + ["endpoint", "outcome"], buckets=RESUME_BUCKETS, registry=r
         )
         self.prompt_tokens = Counter("dormouse_prompt_tokens_total", "Prompt tokens processed", M, registry=r)
-        self.cached_prompt_tokens = Counter("dormouse_prompt_cached_tokens_total", "Prompt tokens reused from a slot's cache", M, registry=r)
         self.generated_tokens = Counter("dormouse_generated_tokens_total", "Tokens generated", M, registry=r)
         self.requests_in_flight = Gauge("dormouse_requests_in_flight", "Requests handed to the worker", M, registry=r)
         self.requests_waiting = Gauge("dormouse_requests_waiting", "Requests accepted and waiting for a worker", M, registry=r)
@@ -173,24 +177,33 @@ class MetricFamilies:
             "dormouse_invalid_transitions_total", "Events with no row in the state table (a bug), dropped", M + ["state", "event"],
             registry=r
         )
-        self.kv_saved_bytes = Counter("dormouse_kv_cache_saved_bytes_total",
-                                      "Bytes of prompt caches written at sleeps", M, registry=r)
-        self.kv_restored_tokens = Counter("dormouse_kv_cache_restored_tokens_total",
-                                          "Prompt tokens restored from caches saved at a sleep", M, registry=r)
-        self.kv_hits = Counter("dormouse_kv_cache_hits_total", "Requests that restored a saved prompt cache", M, registry=r)
-        self.kv_misses = Counter("dormouse_kv_cache_misses_total",
-                                 "Requests that looked for a saved prompt cache and found none that fits", M, registry=r)
-        self.kv_rejected = Counter("dormouse_kv_cache_rejected_files_total",
-                                   "Saved prompt caches deleted as untrustworthy, by reason", M + ["reason"], registry=r)
-        self.kv_disk_bytes = Gauge("dormouse_kv_cache_disk_bytes", "Bytes of saved prompt caches on disk", M, registry=r)
-        self.kv_restore_seconds = Histogram("dormouse_kv_cache_restore_seconds", "Time to restore a saved prompt cache",
+        # One family for the prompt cache, dormouse_prompt_cache_* (its tiers: daemon/worker/prompt_cache.py):
+        # hits, misses and restored tokens are counted once, by tier, not again for the disk tier alone.
+        self.kv_saved_bytes = Counter("dormouse_prompt_cache_saved_bytes_total",
+                                      "Bytes of prompt caches written to the disk tier at sleeps", M, registry=r)
+        self.kv_rejected = Counter("dormouse_prompt_cache_rejected_files_total",
+                                   "Disk-tier files deleted as untrustworthy, by reason", M + ["reason"], registry=r)
+        self.kv_restore_seconds = Histogram("dormouse_prompt_cache_restore_seconds",
+                                            "Time to restore a prompt from the ram or disk tier",
                                             M, buckets=LATENCY_BUCKETS, registry=r)
-        # The prompt cache's tiers (daemon/worker/prompt_cache.py): slot, ram, disk.
         self.prompt_cache_hits = Counter("dormouse_prompt_cache_hits_total",
                                          "Requests whose cached prompt tokens came from this tier", M + ["tier"], registry=r)
         self.prompt_cache_restored_tokens = Counter("dormouse_prompt_cache_tokens_total",
                                                     "Prompt tokens not read again, by the tier they came from",
                                                     M + ["tier"], registry=r)
+        # The disk tier's hits by where the file was (issue 31): state_dir or shared_cache_dir.
+        self.prompt_cache_disk_origin_hits = Counter(
+            "dormouse_prompt_cache_disk_hits_total",
+            "Requests whose cached prompt tokens came from a disk-tier file, by origin: own (state_dir) or shared "
+            "(shared_cache_dir, written by any replica)", M + ["origin"], registry=r)
+        self.prompt_cache_disk_origin_tokens = Counter(
+            "dormouse_prompt_cache_disk_tokens_total",
+            "Prompt tokens restored from disk-tier files, by origin: own (state_dir) or shared (shared_cache_dir)",
+            M + ["origin"], registry=r)
+        self.prompt_cache_shared_reachable = Gauge(
+            "dormouse_prompt_cache_shared_reachable",
+            "1 while shared_cache_dir is reachable from the worker, 0 while it serves from its own tier alone "
+            "(absent without shared_cache_dir)", M, registry=r)
         self.prompt_cache_misses = Counter("dormouse_prompt_cache_misses_total",
                                            "Requests that looked in every tier and found nothing to keep", M, registry=r)
         self.prompt_cache_bytes = Gauge("dormouse_prompt_cache_bytes", "Bytes the prompt cache holds, by tier",
@@ -313,6 +326,26 @@ class Metrics:
             self.prompt_cache_evictions.labels(tier=tier).inc(count - seen if count >= seen else count)
             self._evictions_seen[tier] = count
         self.observe_write_errors(done.prompt_cache.get("disk", {}).get("write_errors", 0))
+        self.observe_disk_origins(done.prompt_cache.get("disk", {}))
+
+    def observe_disk_origins(self, disk: dict) -> None:
+        """The worker's cumulative disk hits by origin (own, shared) as counters: a new worker starts again
+        from 0, as for evictions."""
+        for origin, counts in (disk.get("origin") or {}).items():
+            for what, family in (("hits", self.prompt_cache_disk_origin_hits),
+                                 ("restored_tokens", self.prompt_cache_disk_origin_tokens)):
+                count, key = counts.get(what, 0), f"{origin}.{what}"
+                seen = self._evictions_seen.get(key, 0)
+                family.labels(origin=origin).inc(count - seen if count >= seen else count)
+                self._evictions_seen[key] = count
+        if "shared" in disk:
+            self.prompt_cache_shared_reachable.set(disk["shared"].get("reachable", 0))
+
+    def set_disk_tier(self, saved: dict) -> None:
+        """The disk tier as the daemon reads it from the files (kv_files.describe_dir): while the
+        model sleeps no worker reports it, and the sleep itself has just written to it."""
+        self.prompt_cache_bytes.labels(tier="disk").set(saved["bytes"])
+        self.prompt_cache_entries.labels(tier="disk").set(saved["files"])
 
     def set_state(self, state: ServerState) -> None:
         for s in ServerState:

@@ -164,7 +164,7 @@ def read(families: MetricFamilies) -> dict[str, Model]:
         model.in_flight = value
     for model, _, value in each(families.requests_waiting):
         model.waiting = value
-    for name, attr in (("prompt_tokens", "prompt"), ("cached_prompt_tokens", "cached"),
+    for name, attr in (("prompt_tokens", "prompt"), ("prompt_cache_restored_tokens", "cached"),  # cached: every tier
                        ("generated_tokens", "generated"), ("draft_tokens", "drafted"), ("accepted_tokens", "accepted")):
         for model, _, value in each(getattr(families, name), "_total"):
             setattr(model, attr, getattr(model, attr) + value)
@@ -245,9 +245,9 @@ class CompatExport:
             predicted_rate[model_id] = d[2] / d[3] if d[3] > 0 else 0.0
         return [
             counter("prompt_tokens", "Prompt tokens processed, not those reused from the cache "
-                    "(dormouse_prompt_tokens_total - dormouse_prompt_cached_tokens_total)",
+                    "(dormouse_prompt_tokens_total - sum of dormouse_prompt_cache_tokens_total)",
                     lambda m: m.prompt - m.cached),
-            counter("prompt_tokens_cached", "Prompt tokens reused from the cache (dormouse_prompt_cached_tokens_total)",
+            counter("prompt_tokens_cached", "Prompt tokens reused from the cache (sum of dormouse_prompt_cache_tokens_total)",
                     lambda m: m.cached),
             counter("prompt_seconds", "Time spent reading prompts", lambda m: seconds(m, "prefill")),
             counter("tokens_predicted", "Tokens generated (dormouse_generated_tokens_total)", lambda m: m.generated),

@@ -64,6 +64,7 @@ class ModelSpec(msgspec.Struct, omit_defaults=True):
     kv_dir: str | None = None  # where this model's prompt caches are saved at sleep; None: not saved
     kv_min_tokens: int = 256  # shorter prefixes are not worth a file
     kv_disk_bytes: int = 0  # the files' budget; least recently used go first
+    kv_shared_dir: str | None = None  # shared_cache_dir: a disk tier several replicas share (worker/shared_tier.py)
     prompt_cache_ram_bytes: int = 0  # the host-RAM tier of the prompt cache (worker/prompt_cache.py); 0: off
     slot_dir: str | None = None  # POST /slots/{id}?action=save|restore: the named files' directory; None: off
     embeddings: bool = False  # an embeddings model: a pooled context, no generation
@@ -110,7 +111,7 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
     logit_bias: dict[int, float] = {}
     stop: list[str] = []
     ignore_eos: bool = False
-    grammar: str | None = None  # GBNF (root rule "root") the output must match; the HTTP layer builds it
+    grammar: str | None = None  # llguidance grammar the output must match; daemon/grammar builds and checks it
     logprobs: int | None = None  # None: none; 0: the chosen token's; K: and the K most likely
     # llama-server's text keys of logit_bias: the worker tokenizes each text (no special tokens) and biases its tokens.
     logit_bias_text: list[tuple[str, float]] = []
@@ -206,7 +207,7 @@ class Query(Message):
       detokenize      tokens: list[int]
       apply_template  messages: list[ChatMessage], tools: list[Tool]
       count_chat      messages, tools: Answer.prompt_tokens is what a chat request with them reads (images included)
-      embed           inputs: list[str | list[int]]
+      embed           inputs: list[str | list[int]]; truncate: a text input longer than the limit is cut at its end
       rerank          text: the query, inputs: the documents (a model loaded with pooling = "rank")
       slot_save, slot_restore, slot_erase
                       tokens: [slot id], text: the file name; Answer.tokens = [tokens moved, bytes written or read]
@@ -221,6 +222,7 @@ class Query(Message):
     messages: list[ChatMessage] = []
     tools: list[Tool] = []
     inputs: list[str | list[int]] = []
+    truncate: bool = False  # embed: cut each text input to the limit at its end, not refuse it (Ollama's truncate)
     chat_template_kwargs: dict[str, Any] = {}  # apply_template, count_chat: as Submit's
     add_generation_prompt: bool = True
     continue_final: bool = False

@@ -1,20 +1,20 @@
-"""From a request's structured-output fields to one GBNF grammar (root rule "root").
+"""From a request's structured-output fields to one llguidance grammar.
 
-Three steps, each in its own module:
+1. The request's fields are checked for shape and for conflicts: one
+   constraint per answer, a raw `grammar`, a JSON Schema, or a forced tool
+   call (whose fields tool_calls.py reads). A forced call wins over a
+   response_format or json_schema, as OpenAI's API does: instructor, LangChain
+   and pydantic-ai send both on every call, and the call is the answer.
+2. Each JSON Schema is checked and counted (schema_check.py), then compiled
+   by llguidance; what llguidance refuses (a keyword it does not implement,
+   an unknown format, a remote $ref, which it never fetches) is a 400 naming
+   the request field, with llguidance's message.
+3. A raw `grammar` is GBNF, read by llguidance's GBNF reader (gbnf_to_lark)
+   after the bounds of gbnf_check.py.
 
-1. The request's fields are checked for shape and for conflicts (one grammar
-   per request: a raw `grammar`, a JSON Schema, or a forced tool call, whose
-   fields tool_calls.py reads).
-2. Each JSON Schema is walked by `SchemaWalk` (schema_walk.py), which refuses
-   every keyword the grammar would not enforce and rewrites the rest for the
-   converter.
-3. The converter (converter.py) emits the GBNF.
-
-What a request's grammar may cost is bounded before it is converted: counts
-while walking (limits.py: optional properties per object, properties,
-alternatives, enum values) and the parse stacks the matcher may hold
-(width.py). The whole build has a time bound, checked at every schema node,
-so a build that runs long stops itself; off_loop.py runs it on a thread.
+The result is llguidance's grammar text, which the worker compiles against the
+model's vocabulary (daemon/worker/structured.py). Here it is validated
+without one, so a grammar llguidance refuses never reaches a worker.
 """
 
 from __future__ import annotations
@@ -22,30 +22,27 @@ from __future__ import annotations
 import re
 from typing import Any
 
-# build._converter_class: the tests count the converter's rules through it.
-from daemon.grammar.converter import converter_class as _converter_class
 from daemon.grammar.gbnf_check import GbnfRefused, check_gbnf
 from daemon.grammar.limits import Deadline, Spending
 from daemon.grammar.refused import GrammarRefused, checked_output, refusals
-from daemon.grammar.schema_walk import RefTable, SchemaWalk
-from daemon.grammar.tool_calls import forced_tools, tool_call_grammar, tool_schemas
-from daemon.grammar.width import check_width, width_estimate
+from daemon.grammar.schema_check import check_schema
+from daemon.grammar.tool_calls import forced_tools, tool_call_schema, tool_schemas
 
 MAX_GRAMMAR_TEXT_BYTES = 64 * 1024  # a raw `grammar` from the request
-
-
-# -- the request ------------------------------------------------------------------------
+# One optional space between JSON tokens, as the old GBNF's `space ::= " "?`: llguidance's
+# default (any run of whitespace) lets a small model fill max_tokens with newlines.
+JSON_OPTIONS = {"whitespace_pattern": "[ ]?"}
 
 
 def grammar_for(*, response_format: dict | None = None, json_schema: dict | None = None, grammar: str | None = None,
                 tools: list[dict] | None = None, tool_choice: str | dict | None = None,
                 parallel_tool_calls: bool = False, deadline: Deadline | None = None) -> str | None:
-    """The GBNF (root rule "root") the request's output must match, or None.
+    """llguidance's grammar for what the request's output must match, or None.
 
     parallel_tool_calls: a forced call may be several (false, as llama-server's
     default: exactly one). deadline: when the whole build must be over (None:
     no bound). Raises GrammarRefused (param = the request field) for a
-    malformed field, a conflict between fields, a schema keyword the grammar
+    malformed field, a conflict between fields, a schema keyword llguidance
     would not enforce, a schema over a limit, or a build past its deadline."""
     spending = Spending(deadline)
     if not isinstance(parallel_tool_calls, bool):
@@ -62,16 +59,17 @@ def grammar_for(*, response_format: dict | None = None, json_schema: dict | None
     if grammar is not None and format_param is not None:
         raise GrammarRefused(f"give either grammar or {format_param.split('.')[0]}, not both", "grammar")
     if forced is not None:
-        other = "grammar" if grammar is not None else format_param and format_param.split(".")[0]
-        if other:
-            raise GrammarRefused(f"{other} and tool_choice {_choice_text(tool_choice)} both constrain the output; "
+        if grammar is not None:  # llama-server's raw GBNF: no API pairs it with tools, so say it is ambiguous
+            raise GrammarRefused(f"grammar and tool_choice {_choice_text(tool_choice)} both constrain the output; "
                                  "give one of them", "tool_choice")
-        return tool_call_grammar(forced, single=not parallel_tool_calls or isinstance(tool_choice, dict),
-                                 spending=spending)
+        # The forced call is the answer; response_format would shape a text answer, which there is none of.
+        schema, param = tool_call_schema(forced, single=not parallel_tool_calls or isinstance(tool_choice, dict),
+                                         spending=spending)
+        return compile_schema(schema, param, spending)
     if grammar is not None:
         return _raw_grammar(grammar)
     if format_param is not None:
-        return _schema_grammar(format_schema, format_param, spending)
+        return compile_schema(check_schema(format_schema, format_param, spending), format_param, spending)
     return None
 
 
@@ -114,8 +112,26 @@ def _response_format_schema(response_format: Any) -> tuple[Any, str | None]:
                          "response_format.type")
 
 
+def compile_schema(schema: Any, param: str, spending: Spending) -> str:
+    """llguidance's grammar for a checked schema; its refusal is a GrammarRefused naming `param`."""
+    from llguidance import LLMatcher
+
+    with refusals(param):
+        spending.check_time()
+        try:
+            grammar = LLMatcher.grammar_from_json_schema(schema, overrides=JSON_OPTIONS)
+        except ValueError as exc:
+            raise GrammarRefused(f"{param}: {exc}", param) from None
+        _validate(grammar, param)
+        spending.check_time()
+    return checked_output(grammar, param)
+
+
 def _raw_grammar(grammar: Any) -> str:
-    """llama-server's `grammar`: GBNF passed through after bounds; llama.cpp parses it."""
+    """llama-server's `grammar`: GBNF, bounded, then read by llguidance's GBNF reader."""
+    from llguidance import LLMatcher
+    from llguidance.gbnf_to_lark import gbnf_to_lark
+
     if not isinstance(grammar, str):
         raise GrammarRefused("grammar must be GBNF text", "grammar")
     if not grammar.strip():
@@ -125,22 +141,30 @@ def _raw_grammar(grammar: Any) -> str:
         raise GrammarRefused(f"grammar is {size} bytes; at most {MAX_GRAMMAR_TEXT_BYTES} are accepted", "grammar")
     if not re.search(r"^[ \t]*root[ \t]*::=", grammar, re.MULTILINE):
         raise GrammarRefused("grammar must define the rule 'root' (root ::= ...)", "grammar")
+    checked_output(grammar, "grammar")  # no NUL, no lone surrogate
     try:
         check_gbnf(grammar)
     except GbnfRefused as exc:
         raise GrammarRefused(f"grammar: {exc}", "grammar") from None
-    return checked_output(grammar, "grammar")
+    with refusals("grammar"):
+        try:
+            lark = gbnf_to_lark(grammar)
+        except Exception as exc:  # noqa: BLE001 - the reader's own errors (GbnfToLarkError, ValueError...)
+            raise GrammarRefused(f"grammar is not GBNF that llguidance reads: {exc}", "grammar") from None
+        text = LLMatcher.grammar_from_lark(lark)
+        _validate(text, "grammar")
+    return checked_output(text, "grammar")
 
 
-def _schema_grammar(schema: dict, param: str, spending: Spending) -> str:
-    table = RefTable(spending)
-    with refusals(param):
-        root = SchemaWalk(schema, param, table).run()
-        check_width(width_estimate(table).width(root), param)
-        return _convert(root, table, param)
+def _validate(grammar: str, param: str) -> None:
+    from llguidance import LLMatcher
+
+    error = LLMatcher.validate_grammar(grammar)
+    if error:
+        raise GrammarRefused(f"{param}: {_short(error)}", param)
 
 
-def _convert(root: dict, table: RefTable, param: str) -> str:
-    converter = _converter_class()(table.schemas, table.spending)
-    converter.visit(root, "")
-    return checked_output(converter.format_grammar(), param)
+def _short(message: str) -> str:
+    """llguidance's message, without the grammar dump some of its errors append."""
+    message = message.split("<state>", 1)[0].split("<grammar>", 1)[0].strip()
+    return message if len(message) <= 600 else message[:600] + "..."

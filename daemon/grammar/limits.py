@@ -1,37 +1,34 @@
-"""What one request's grammar may cost, counted while its schemas are walked,
-before anything is converted.
+"""What one request's structured output may cost, counted before llguidance
+compiles anything.
 
-Two costs matter. Building: the schemas are converted on a thread (off the
-event loop, see off_loop.py), and the counts below keep that to milliseconds.
-Matching: llama.cpp's grammar matcher keeps a parse stack per way the output
-can go on, and at a step whose sampled token the grammar refuses it checks the
-whole vocabulary against each stack, on the thread that decodes every slot
-(measured: 18 ms plus 1.6 ms per stack for Gemma 3's 262k tokens on one core).
-width.py bounds what all of a grammar's alternatives add up to; objects.py and
-literals.py write names and enums as prefix trees so that their number does
-not count there, only how differently they begin. What their number still
-costs is grammar size and build time, bounded here.
+llguidance bounds its own matching: its Earley parser stops at 2000 items per
+row and at its lexer fuel, and the matcher then errors instead of stalling
+(the worker turns that into the request's error). What it does not bound is
+compile time and memory, which grow with the schema: 12 forced tools of 900
+optional properties each took 1.8-6.7 s to compile on the development box
+(docs/structured-output-engines.md, section 5), and a schema object of 990
+optional properties compiles, then errors at its first token. So the sizes
+below are still counted, while the schema is checked (schema_check.py).
 
 The figures are far above what clients send: the openai SDK's strict schemas
 make every property required, OpenAI itself accepts at most 5000 properties,
-1000 enum values and 10 levels of nesting, and a pydantic model with more than
-128 optional fields is rare. A request over one is refused with a 400 that
-names the limit.
+1000 enum values and 10 levels of nesting. A request over one is refused with
+a 400 that names the limit.
 """
 
 from __future__ import annotations
 
 import time
 
-MAX_OPTIONAL_PROPERTIES = 128  # in one object: each adds a copy of its path in the names' tree (objects.py)
+MAX_SCHEMA_BYTES = 64 * 1024  # one schema, as compact JSON
+MAX_SCHEMA_DEPTH = 32  # schemas within schemas; llguidance's compiler recurses on them
+# In one object. llguidance compiles 200 into a grammar whose rows stay under its
+# 2000-item bound; 990 errors at the first token ("row has 3967 items").
+MAX_OPTIONAL_PROPERTIES = 256
 MAX_PROPERTIES = 5000  # in all the schemas of one request (OpenAI's own limit)
-MAX_ALTERNATIVES = 256  # anyOf/oneOf alternatives and type lists, in all the schemas of one request
 MAX_ENUM_VALUES = 4096  # enum and const values, in all the schemas of one request
 MAX_LITERAL_BYTES = 128 * 1024  # the JSON spellings of those values, together
-MAX_LIVE_STACKS = 64  # parse stacks the matcher may hold at one point (width.py): ~120 ms per refused step
-BUILD_SECONDS = 2.0  # building one request's grammar, walk and conversion
-MAX_REPEAT = 1000  # one minItems/maxItems/minLength/maxLength or {n,m}: expanded rule by rule
-MAX_REPEAT_TOTAL = 10_000  # all of them in one request, so building stays cheap
+BUILD_SECONDS = 2.0  # checking and compiling one request's grammar
 
 
 class LimitExceeded(ValueError):
@@ -54,13 +51,12 @@ class Deadline:
 
 
 class Spending:
-    """The counts of one request, across every schema it converts, and the
+    """The counts of one request, across every schema it compiles, and the
     deadline of its build (None: no time bound)."""
 
     def __init__(self, deadline: Deadline | None = None) -> None:
         self.deadline = deadline
         self.properties = 0
-        self.alternatives = 0
         self.values = 0
         self.literal_bytes = 0
 
@@ -76,12 +72,6 @@ class Spending:
         self.properties += n_properties
         if self.properties > MAX_PROPERTIES:
             raise LimitExceeded(f"more than {MAX_PROPERTIES} properties in all the schemas of the request")
-
-    def choice(self, n_alternatives: int) -> None:
-        self.alternatives += n_alternatives
-        if self.alternatives > MAX_ALTERNATIVES:
-            raise LimitExceeded(f"more than {MAX_ALTERNATIVES} anyOf/oneOf alternatives and types in all the schemas "
-                                "of the request")
 
     def literals(self, spellings: list[str]) -> None:
         self.values += len(spellings)

@@ -1,19 +1,16 @@
 """Forced tool calls: the request's `tools` checked for shape, the tools
-`tool_choice` forces a call to, and the grammar of that call: exactly
-`[{"name": <declared name>, "arguments": <that tool's parameters>}, ...]`.
+`tool_choice` forces a call to, and the JSON Schema of that call: exactly
+`[{"name": <declared name>, "arguments": <that tool's parameters>}, ...]`,
+which build.py compiles with llguidance as any other schema.
 """
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
-from daemon.grammar.converter import converter_class, converter_module
 from daemon.grammar.limits import Spending
-from daemon.grammar.literals import literal_tree
-from daemon.grammar.refused import GrammarRefused, checked_output, refusals
-from daemon.grammar.schema_walk import RefTable, SchemaWalk
-from daemon.grammar.width import check_width, width_estimate
+from daemon.grammar.refused import GrammarRefused
+from daemon.grammar.schema_check import check_schema
 
 MAX_TOOLS = 128
 MAX_PARALLEL_TOOL_CALLS = 8
@@ -69,34 +66,28 @@ def forced_tools(tool_choice: Any, declared: dict[str, tuple[Any, str]]) -> dict
                          "tool_choice")
 
 
-def tool_call_grammar(forced: dict[str, tuple[Any, str]], single: bool, spending: Spending) -> str:
-    """Exactly `[{"name": <declared name>, "arguments": <that tool's parameters>}, ...]`:
-    one call, or 1..MAX_PARALLEL_TOOL_CALLS. Each name is tied to its own arguments
-    schema: the names are a prefix tree whose every leaf goes on with that tool's
-    arguments, so a hundred tools are a few parse stacks, not a hundred."""
-    table = RefTable(spending)
-    arguments = {}
-    for name, (parameters, param) in forced.items():
-        with refusals(param):
-            arguments[name] = SchemaWalk(_arguments_schema(parameters, param), param, table).run()
-    width = width_estimate(table)
-    for name, (_, param) in forced.items():
-        with refusals(param):
-            check_width(width.width(arguments[name]) + 1, param)  # + 1: the next call, or the array's end
+def tool_call_schema(forced: dict[str, tuple[Any, str]], single: bool, spending: Spending) -> tuple[dict, str]:
+    """(schema, param) of exactly `[{"name": <declared name>, "arguments": <that tool's parameters>}, ...]`:
+    one call, or 1..MAX_PARALLEL_TOOL_CALLS, each name tied to its own arguments
+    (an anyOf of the calls). Each tool's parameters are checked alone, so a
+    refusal names that tool's field, and placed under $defs with their local
+    $refs rebased, so that "#/$defs/X" inside them still finds X."""
+    from daemon.grammar.build import compile_schema  # build.py imports this module
+
+    defs: dict[str, Any] = {}
+    calls = []
+    for i, (name, (parameters, param)) in enumerate(forced.items()):
+        key = f"tool-{i}"
+        plain = _arguments_schema(parameters, param)
+        compile_schema(check_schema(plain, param, spending), param, spending)  # counted once, here
+        defs[key] = check_schema(plain, param, Spending(spending.deadline), rebase=f"/$defs/{key}")
+        calls.append({"type": "object", "properties": {"name": {"const": name}, "arguments": {"$ref": f"#/$defs/{key}"}},
+                      "required": ["name", "arguments"], "additionalProperties": False})
+    most = 1 if single else MAX_PARALLEL_TOOL_CALLS
+    schema = {"type": "array", "items": calls[0] if len(calls) == 1 else {"anyOf": calls},
+              "minItems": 1, "maxItems": most, "$defs": defs}
     param = "tools" if len(forced) > 1 else next(iter(forced.values()))[1]
-    with refusals(param):
-        converter = converter_class()(table.schemas, spending)
-        follow = []
-        for name, schema in arguments.items():
-            rule = converter.visit(schema, f"call-{name}-arguments")
-            follow.append((json.dumps(name, ensure_ascii=False), f'"," space "\\"arguments\\"" space ":" space {rule}'))
-        names = literal_tree(follow, converter._add_rule, "call-name", converter._format_literal)
-        check_width(names.width + 1, param)
-        call = converter._add_rule("call", f'"{{" space "\\"name\\"" space ":" space {names.expression} "}}" space')
-        most = 1 if single else MAX_PARALLEL_TOOL_CALLS
-        repeated = converter_module()._build_repetition(call, 1, most, separator_rule='"," space')
-        converter._add_rule("root", f'"[" space {repeated} "]" space')
-        return checked_output(converter.format_grammar(), param)
+    return schema, param
 
 
 def _arguments_schema(parameters: dict | None, param: str) -> dict:

@@ -13,8 +13,10 @@ Access, in order (each refusal is an OpenAI error body):
   unless `cors_origins` lists that origin. Browsers send Origin on every
   cross-origin POST (no-cors fetches and form posts included); curl and API
   clients send none. A listed origin gets CORS headers on every answer, and
-  its OPTIONS preflight is answered on every route (before keys: browsers
-  send no Authorization on a preflight).
+  its OPTIONS preflight is answered 200 on every route (before keys: browsers
+  send no Authorization on a preflight); an unlisted origin's preflight is a
+  200 with no CORS headers (llama-server's answer: the browser refuses).
+  "localhost" in cors_origins lists every origin on a loopback host.
 - Keys: /v1/*, Ollama's /api/*, llama-server's /tokenize, /detokenize,
   /apply-template, /completion, /infill, /rerank and its unversioned aliases
   of /v1/* (/chat/completions ...), /props and /slots need an API key
@@ -66,7 +68,8 @@ PROBE_PATHS = frozenset({"/health", "/metrics", "/v1/health"})
 PRIVATE_GET_PATHS = frozenset({"/props", "/slots"})
 # llama-server's extras and its unversioned aliases of /v1/*: model work like /v1/*, behind the same API key.
 LLAMA_SERVER_PATHS = frozenset({"/tokenize", "/detokenize", "/apply-template", "/completion", "/infill", "/rerank",
-                                "/reranking", "/chat/completions", "/completions", "/embeddings", "/models"})
+                                "/reranking", "/chat/completions", "/completions", "/embeddings", "/models",
+                                "/responses", "/responses/input_tokens", "/chat/completions/input_tokens"})
 API_PREFIXES = ("/v1/", "/api/")
 # Their endpoint names in logs and metrics labels (as the jobs' names: a handler names its job the same).
 GENERATION_ENDPOINTS = {"/v1/completions": "completions", "/completions": "completions",
@@ -75,6 +78,8 @@ GENERATION_ENDPOINTS = {"/v1/completions": "completions", "/completions": "compl
                         "/tokenize": "tokenize", "/detokenize": "detokenize", "/apply-template": "apply-template",
                         "/v1/responses": "responses", "/v1/responses/input_tokens": "responses.input_tokens",
                         "/v1/chat/completions/input_tokens": "chat.input_tokens",
+                        "/responses": "responses", "/responses/input_tokens": "responses.input_tokens",
+                        "/chat/completions/input_tokens": "chat.input_tokens",
                         "/v1/messages": "messages", "/v1/messages/count_tokens": "messages.count_tokens",
                         "/api/chat": "ollama.chat", "/api/generate": "ollama.generate", "/api/embed": "ollama.embed",
                         "/api/embeddings": "ollama.embeddings", "/infill": "infill", "/v1/rerank": "rerank",
@@ -154,9 +159,15 @@ def _cors_allowed(origin: str | None, settings: Settings) -> bool:
     if "*" in settings.cors_origins:
         return True
     try:
-        return normalize_origin(origin) in settings.cors_origins
+        shown = normalize_origin(origin)
     except ValueError:
         return False
+    if shown in ("*", "localhost"):
+        return False  # the settings' keywords, never an Origin a browser sends
+    # "localhost" (llama-server's --cors-origins localhost): a page served from this machine, any scheme and port.
+    if "localhost" in settings.cors_origins and is_loopback_host(URL(shown).host or ""):
+        return True
+    return shown in settings.cors_origins
 
 
 def _check_origin(request: web.Request, settings: Settings) -> None:
@@ -237,10 +248,15 @@ def _check_content_type(request: web.Request) -> None:
     if bodyless and not request.body_exists and (
             declared is None or request.content_type == "application/octet-stream"):
         return
-    # Ollama's clients (LiteLLM's ollama_chat/) send their JSON with no Content-Type at all. Browsers send
-    # Origin on every cross-origin POST (refused above unless cors_origins lists it), so a POST with neither
-    # header comes from no web page.
-    if declared is None and request.path.startswith("/api/") and "Origin" not in request.headers:
+    # Ollama's clients send their JSON as Ollama's own docs show: LiteLLM's sync calls with no Content-Type,
+    # `curl -d` as a form (application/x-www-form-urlencoded), LiteLLM's ollama/ and ollama_chat/ async calls as
+    # application/octet-stream; Ollama reads any of them as JSON. Browsers send Origin on every POST (refused
+    # above unless cors_origins lists it), so a POST without Origin comes from no web page and its body is read
+    # as JSON whatever it declares (not JSON: a 400 that says so). With Origin these are the types a page may
+    # send cross-origin without a preflight: 415 stays.
+    if request.path.startswith("/api/") and "Origin" not in request.headers and (
+            declared is None
+            or request.content_type.lower() in ("application/x-www-form-urlencoded", "application/octet-stream")):
         return
     if declared is None or request.content_type.lower() != JSON:
         shown = "no Content-Type" if declared is None else f"Content-Type {request.content_type!r}"
@@ -269,16 +285,20 @@ def _log_answer(request: web.Request, status: int, code: str | None, started: fl
 
 
 def _preflight(request: web.Request, settings: Settings) -> web.Response | None:
-    """The answer to a CORS preflight from an allowed origin for a route that
-    exists; None: not a preflight (or not allowed: the browser then refuses)."""
+    """The answer to a CORS preflight for a route that exists; None: not a preflight.
+
+    200 as llama-server answers it. An origin cors_origins does not list gets a 200 with no
+    Access-Control-* header at all, as llama-server does: the browser then refuses the real request
+    itself, and a preflight runs nothing. What keeps such a page from the model is not this answer but
+    _check_origin: a POST a browser sends without a preflight (a form, text/plain) still gets its 403."""
     if request.method != "OPTIONS" or "Access-Control-Request-Method" not in request.headers:
         return None
     if not isinstance(request.match_info.http_exception, web.HTTPMethodNotAllowed):
         return None  # no such route: 404 follows
     if not _cors_allowed(request.headers.get("Origin"), settings):
-        raise ApiError(403, "CORS preflight refused: cors_origins does not list this origin", "cross_origin")
+        return web.Response(status=200)
     allowed = sorted(request.match_info.http_exception.allowed_methods | {"OPTIONS"})
-    return web.Response(status=204, headers={
+    return web.Response(status=200, headers={
         "Access-Control-Allow-Methods": ", ".join(allowed),
         # Echoed: Authorization, Content-Type, x-api-key, anthropic-version, X-Dormouse-Max-Wait ... (keys still apply)
         "Access-Control-Allow-Headers": request.headers.get("Access-Control-Request-Headers", "")[:1024],
@@ -307,7 +327,7 @@ async def errors_and_access(request: web.Request, handler):
         _check_host(request, settings)
         preflight = _preflight(request, settings)
         if preflight is not None:
-            _log_answer(request, 204, None, started)
+            _log_answer(request, preflight.status, None, started)
             return preflight
         check_access(request, settings)
         response = await handler(request)

@@ -94,7 +94,7 @@ class Controller(SleepTiers):
         # This model's prompt caches, saved at each sleep (daemon/model/kv_files.py).
         self.kv_dir = state_dir(settings) / "kv" / model_id
         self.kv_saved: dict[str, Any] = describe_dir(self.kv_dir)
-        metrics.kv_disk_bytes.set(self.kv_saved["bytes"])
+        metrics.set_disk_tier(self.kv_saved)
         self.model_path = model_path
         self.metrics = metrics
         self.log = log.bind(model=model_id)  # with several models, every line says whose it is
@@ -472,6 +472,7 @@ class Controller(SleepTiers):
         self._spawn(self._refresh_kv_saved())  # the worker may have deleted files; the wake does not wait
         self.n_ctx_slot = ready.n_ctx_slot
         self.slots = [p.SlotInfo(i, "idle") for i in range(ready.n_slots)]
+        self.metrics.set_slots([s.state for s in self.slots])  # the worker reports slots only when one changes
         self.metrics.observe_wake(self.last_wake, ready.model_info.get("memory_by_device") or {})
         self.log.info("wake.done", reason=reason, seconds=round(self.last_wake["seconds"], 4), file=self.model_path,
                       prespawned=result.prespawned, phases=phase_seconds(self.last_wake), pid=result.worker.pid)
@@ -505,7 +506,7 @@ class Controller(SleepTiers):
     async def _refresh_kv_saved(self) -> None:
         """What prompt caches are on disk, for /props and the gauge (headers only, off the loop)."""
         self.kv_saved = await asyncio.to_thread(describe_dir, self.kv_dir)
-        self.metrics.kv_disk_bytes.set(self.kv_saved["bytes"])
+        self.metrics.set_disk_tier(self.kv_saved)
 
     def _forget_worker(self) -> None:
         """No worker holds the model any more: nothing of its slots or memory is shown."""
@@ -560,6 +561,7 @@ class Controller(SleepTiers):
             kv_dir=str(self.kv_dir),
             kv_min_tokens=s.kv_cache_min_tokens,
             kv_disk_bytes=s.kv_cache_disk_bytes,
+            kv_shared_dir=str(s.shared_cache_dir) if s.shared_cache_dir else None,
             prompt_cache_ram_bytes=s.prompt_cache_ram_bytes,
             slot_dir=str(s.slot_save_path / self.model_id) if s.slot_save_path else None,
             embeddings=s.embeddings,
@@ -600,7 +602,6 @@ class Controller(SleepTiers):
     def _account(self, job: Job, done: p.Done) -> None:
         m = self.metrics
         m.prompt_tokens.inc(done.prompt_tokens)
-        m.cached_prompt_tokens.inc(done.cached_tokens)
         m.generated_tokens.inc(done.completion_tokens)
         self.note_service(done.prompt_seconds + done.generation_seconds)
         m.draft_tokens.inc(done.drafted_tokens)
@@ -608,12 +609,8 @@ class Controller(SleepTiers):
         m.observe_request(done, job.accepted_at, job.submit.n)  # per request, for metrics_compat
         if done.completion_tokens > 1 and done.generation_seconds > 0 and job.submit.n == 1:  # n choices decode side by side
             m.inter_token_seconds.observe(done.generation_seconds / (done.completion_tokens - 1))
-        if done.kv_lookup == "hit":
-            m.kv_hits.inc()
-            m.kv_restored_tokens.inc(done.restored_tokens)
+        if done.kv_lookup == "hit":  # hits, misses and tokens by tier: observe_request's observe_prompt_cache
             m.kv_restore_seconds.observe(done.restore_seconds)
-        elif done.kv_lookup == "miss":
-            m.kv_misses.inc()
         if done.kv_rejected:
             m.kv_rejected.labels(reason=done.kv_rejected).inc()
             self.log.warning("kv_cache.rejected_files", during="restore", files={done.kv_rejected: 1})

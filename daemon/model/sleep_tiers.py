@@ -300,6 +300,7 @@ class SleepTiers:
         from daemon import protocol as p
 
         self.slots = [p.SlotInfo(i, "idle") for i in range(ready.n_slots)]
+        self.metrics.set_slots([s.state for s in self.slots])  # the worker reports slots only when one changes
         self.metrics.observe_wake(record, ready.model_info.get("memory_by_device") or {})
         self.log.info("rouse.done", reason=reason, seconds=round(record["seconds"], 4))
         return WorkerReady(ready.n_slots, ready.model_info)

@@ -51,6 +51,32 @@ def pooled(ctx: ctypes.c_void_p, batch, limit: int, n_out: int, tokens: list[int
         llama.llama_memory_seq_rm(memory, 0, -1, -1)
 
 
+def input_tokens(engine, text: str, limit: int, truncate: bool) -> list[int]:
+    """One text input's tokens, the vocabulary's specials added. Longer than
+    `limit`: refused (by pooled()), or, with truncate (Ollama's), cut at its end:
+    the text's first tokens between the specials a whole input has (BOS or CLS
+    before, EOS or SEP after), so the model reads it as it reads any input.
+    Either way the tokenizing work is bounded by the limit, not the text."""
+    try:
+        tokens = engine.prompt_tokens_within(text, limit, what="it")
+        if len(tokens) <= limit or not truncate:
+            return tokens
+    except RequestError as exc:
+        if not truncate or exc.code != "context_length_exceeded":
+            raise
+    # Which specials wrap a text, and on which side: a one-letter text tokenized with and without them.
+    wrapped, plain = engine.tokenize("a", True), engine.tokenize("a", False)
+    head = next((i for i in range(len(wrapped) - len(plain) + 1) if wrapped[i:i + len(plain)] == plain), None)
+    if head is None:  # a vocabulary whose specials change the text's own tokens: the first tokens, as they come
+        return head_tokens(lambda t: engine.tokenize(t, True), text, limit)
+    tail = len(wrapped) - head - len(plain)
+    if limit - head - tail < 1:
+        raise RequestError(f"an input of {limit} tokens holds nothing between its {head + tail} special tokens",
+                           "context_length_exceeded")
+    body = head_tokens(lambda t: engine.tokenize(t, False), text, limit - head - tail)
+    return wrapped[:head] + body + wrapped[len(wrapped) - tail:]
+
+
 def embed(ctx: ctypes.c_void_p, batch, limit: int, n_embd: int, tokens: list[int]) -> list[float]:
     """The L2-normalized pooled embedding of one tokenized input."""
     vector = pooled(ctx, batch, limit, n_embd, tokens)

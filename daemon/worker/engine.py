@@ -19,7 +19,7 @@ import msgspec
 
 from daemon import protocol as p
 from daemon.worker.chat import END_OF_TURN_MARKERS, ChatRenderer, ChatTemplateError, template_for, template_messages
-from daemon.worker.errors import RequestError
+from daemon.worker.errors import RequestError, context_advice
 from daemon.worker.llama_lib import llama
 from daemon.protocol import VERIFY_GROUP
 from daemon.worker.reuse import ReuseRule
@@ -200,11 +200,14 @@ class Engine:
 
     def _embed_next(self) -> None:
         """Embed (or score, for rerank) the next input of the oldest embeddings request; answer it after its last."""
-        from daemon.worker.embeddings import RERANK_TEMPLATE_KEY, embed, pooled, rerank_tokens
+        from daemon.worker.embeddings import RERANK_TEMPLATE_KEY, embed, input_tokens, pooled, rerank_tokens
 
         work = self.embedding_work[0]
         item = work.msg.inputs[len(work.vectors)]
-        limit = min(self.n_batch, self.n_ctx_slot)  # one decode, within one sequence's context
+        # One decode, within one sequence's context. llama.cpp caps its batch at the requested n_ctx (before
+        # padding the context up): with ctx_size 128 a 256-token slot still decodes at most 128 at once, and
+        # a longer decode aborts the worker (GGML_ASSERT n_tokens_all <= n_batch).
+        limit = min(self.n_batch, llama.llama_n_batch(self.ctx), llama.llama_n_ubatch(self.ctx), self.n_ctx_slot)
         try:
             if work.msg.kind == "rerank":  # the query and this document, scored by the classifier head
                 if not isinstance(item, str):
@@ -214,7 +217,7 @@ class Engine:
                 vector = pooled(self.ctx, self.batch, limit, max(1, llama.llama_model_n_cls_out(self.rt.model)), tokens)
             else:
                 if isinstance(item, str):
-                    tokens = self.prompt_tokens_within(item, limit, what="it")
+                    tokens = input_tokens(self, item, limit, work.msg.truncate)
                 else:
                     self._check_vocab(item)
                     tokens = list(item)
@@ -265,8 +268,12 @@ class Engine:
         chars = max(4096, limit * 8)  # ~4 bytes a token in prose: usually one pass
         while chars < len(text):
             if len(self.tokenize(text[:chars], add_special=add_special)) > limit + 1:  # +1: a split at the cut
-                raise RequestError(f"{what} has more than {limit} tokens; the context of a slot holds {self.n_ctx_slot}",
-                                   "context_length_exceeded")
+                # A prompt against the slot's context is told which settings size it; other limits (an
+                # embeddings input, /tokenize's) are not the slot's.
+                advice = f": {context_advice(self.rt.spec.ctx_size, self.rt.spec.parallel)}" \
+                    if what == "prompt" and limit == self.n_ctx_slot else ""
+                raise RequestError(f"{what} has more than {limit} tokens; the context of a slot holds "
+                                   f"{self.n_ctx_slot}{advice}", "context_length_exceeded")
             chars *= 2
         return self.tokenize(text, add_special=add_special)
 
@@ -363,7 +370,8 @@ class Engine:
                     raise RequestError("prompt is empty")
                 if len(tokens) >= self.n_ctx_slot:
                     raise RequestError(
-                        f"prompt has {len(tokens)} tokens; the context of a slot holds {self.n_ctx_slot}",
+                        f"prompt has {len(tokens)} tokens; the context of a slot holds {self.n_ctx_slot}: "
+                        f"{context_advice(self.rt.spec.ctx_size, self.rt.spec.parallel)}",
                         "context_length_exceeded",
                     )
                 sampler = SamplerChain(msg.params, self.n_vocab, self.n_ctx_slot, self.vocab)

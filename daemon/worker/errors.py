@@ -6,3 +6,11 @@ class RequestError(ValueError):
     def __init__(self, message: str, code: str = "invalid_request") -> None:
         super().__init__(message)
         self.code = code
+
+
+def context_advice(ctx_size: int | None = None, parallel: int | None = None) -> str:
+    """What to do about a prompt longer than a slot's context, for the message that refuses it: the two
+    settings that size a slot, with their values when known (a user reads this, not the docs)."""
+    now = (f", now {ctx_size}", f" (now {parallel})") if ctx_size and parallel else ("", "")
+    return (f"raise ctx_size (the --ctx-size flag or the ctx_size setting{now[0]}) or lower parallel{now[1]}: "
+            "each slot gets ctx_size / parallel tokens; or send a shorter prompt")

@@ -11,7 +11,7 @@ import ctypes
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from daemon.worker.errors import RequestError
+from daemon.worker.errors import RequestError, context_advice
 from daemon.worker.llama_lib import llama, mtmd
 
 
@@ -38,7 +38,8 @@ class MediaPrompts:
         with self._chunks(text, images) as chunks:
             n_pos = lib.mtmd_helper_get_n_pos(chunks)
             if n_pos >= n_ctx_slot:
-                raise MediaError(f"prompt with images needs {n_pos} positions; a slot holds {n_ctx_slot}",
+                raise MediaError(f"prompt with images needs {n_pos} positions; a slot holds {n_ctx_slot}: "
+                                 f"{context_advice()}",
                                  "context_length_exceeded")
             new_n_past = llama.llama_pos(0)
             rc = lib.mtmd_helper_eval_chunks(self.ctx, lctx, chunks, 0, seq_id, n_batch, True, ctypes.byref(new_n_past))

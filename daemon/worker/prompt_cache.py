@@ -85,6 +85,9 @@ class Counts:
     files_written: int = 0
     checkpoints: int = 0  # window checkpoints put in the RAM tier
     checkpoint_bytes: int = 0  # their own bytes (the window), the full-attention blocks being shared
+    # disk hits by where the file was: state_dir ("own") or shared_cache_dir ("shared", disk_tier.origin_of)
+    origin_hits: dict[str, int] = field(default_factory=lambda: {"own": 0, "shared": 0})
+    origin_tokens: dict[str, int] = field(default_factory=lambda: {"own": 0, "shared": 0})
 
 
 class RamTier:
@@ -372,6 +375,7 @@ class PromptCache:
         set): the checked state into the slot, one llama_state_seq_set_data.
         Returns what before_assign does."""
         rejected = read.reason
+        self.last_origin = self.disk.origin_of(read.entry)  # counted() follows on this thread
         if rejected is None:
             rejected = self.disk.install(slot, read.entry, read.state)
             if rejected is None:
@@ -392,6 +396,10 @@ class PromptCache:
         if tier:
             self.counts.hits[tier] += 1
             self.counts.restored_tokens[tier] += restored
+        if tier == "disk":
+            origin = getattr(self, "last_origin", "own")
+            self.counts.origin_hits[origin] += 1
+            self.counts.origin_tokens[origin] += restored
 
     def _restore(self, slot: Slot, entry, tier: str) -> str | None:
         """A RAM entry into the slot (a disk entry goes through the reader: before_assign)."""
@@ -561,6 +569,8 @@ class PromptCache:
         out["disk"].update(self.disk.summary() if self.disk is not None else {"entries": 0, "bytes": 0})
         out["disk"].update({"write_errors": c.write_errors, "writes_skipped": c.writes_skipped,
                             "written_bytes": c.written_bytes})
+        out["disk"]["origin"] = {origin: {"hits": c.origin_hits[origin], "restored_tokens": c.origin_tokens[origin]}
+                                 for origin in ("own", "shared")}
         out["misses"] = {"count": c.misses}
         out["ram"].update({"checkpoints": c.checkpoints, "checkpoint_bytes": c.checkpoint_bytes})
         for what, (size, seconds) in self.timings.items():

@@ -2,13 +2,15 @@
 logit bias, penalties, top-k, top-p, min-p, temperature, then the final draw
 (greedy at temperature 0, else a seeded distribution).
 
-A grammar (structured output, forced tool calls) is llama.cpp's grammar
-sampler, used as llama-server's common_sampler uses it: draw from the chain
-first, and only when the grammar refuses that token, draw again with the
-grammar applied to the whole vocabulary. Checking one token is cheap; masking
-262k candidates (Gemma 3's vocabulary) every step is not. Either way the token
-is one the grammar allows, or the request ends with an error: accepting a
-refused token makes llama.cpp throw across the C API, which kills the worker.
+A grammar (structured output, forced tool calls) is an llguidance matcher
+(structured.py), used as llama-server's common_sampler uses its grammar: draw
+from the chain first, and only when the grammar refuses that token, draw
+again with the grammar's mask over the whole vocabulary (the refused
+candidates' logits set to -inf before the chain). Checking one token costs
+microseconds; a mask costs ~0.06 ms in llguidance, but unpacking it onto 262k
+logits (Gemma 3's vocabulary) in numpy costs 1-2 ms, so only refusals pay it.
+Either way the token is one the grammar allows, or the request ends with an
+error (GrammarDeadEnd, also when llguidance stops at one of its own limits).
 
 Log-probabilities are the model's own (a log-softmax of the raw logits, before
 bias, penalties, temperature and truncation), as OpenAI's are; with
@@ -33,6 +35,9 @@ import secrets
 from daemon.protocol import SamplingParams
 from daemon.worker.errors import RequestError
 from daemon.worker.llama_lib import llama
+from daemon.worker.structured import GrammarDeadEnd, Matcher
+
+__all__ = ["GrammarDeadEnd", "SamplerChain"]
 
 
 def penalty_window(repeat_last_n: int, n_ctx_slot: int) -> int:
@@ -72,32 +77,26 @@ def resolved_logit_bias(params: SamplingParams, n_vocab: int, vocab: ctypes.c_vo
     return biases
 
 
-class GrammarDeadEnd(RequestError):
-    """The grammar allows no token at this position."""
-
-
 class SamplerChain:
     def __init__(self, params: SamplingParams, n_vocab: int, n_ctx_slot: int, vocab: ctypes.c_void_p | None = None,
                  grammar_of: "SamplerChain | None" = None) -> None:
         """grammar_of: another request's chain whose grammar has accepted
-        nothing yet (the first choice, at the fork of n choices): cloned
-        rather than parsed again."""
+        nothing yet (the first choice, at the fork of n choices): its matcher
+        copied rather than compiled again."""
         logit_bias = resolved_logit_bias(params, n_vocab, vocab)
         self.n_vocab = n_vocab
         self.top_logprobs = params.logprobs
         self.post_sampling = params.post_sampling_probs and params.logprobs is not None
         self.greedy = params.temperature <= 0.0
         self.last_logprobs: tuple[float, list[tuple[int, float]]] | None = None  # (chosen, top) of the last draw
-        self._grammar = None
+        self._grammar: Matcher | None = None
         self._candidates = None  # numpy records shared with llama.cpp, made on the first slow-path draw
         if params.grammar is not None and grammar_of is not None and grammar_of._grammar is not None:
-            self._grammar = llama.llama_sampler_clone(grammar_of._grammar)
+            self._grammar = grammar_of._grammar.fork()
         elif params.grammar is not None:
-            grammar = llama.llama_sampler_init_grammar(vocab, params.grammar.encode(), b"root")
-            if not grammar:  # llama.cpp printed the parse error to stderr (the daemon's log)
-                raise RequestError("grammar cannot be compiled (a GBNF syntax error, a missing rule or left "
-                                   "recursion; the worker's log has llama.cpp's message)", "invalid_grammar")
-            self._grammar = grammar
+            if vocab is None:  # pragma: no cover - every engine call site passes its vocabulary
+                raise RequestError("a grammar needs the model's vocabulary", "invalid_grammar")
+            self._grammar = Matcher.compile(params.grammar, vocab, n_vocab)
         self.seed = params.seed if params.seed is not None else secrets.randbits(32)
         chain = llama.llama_sampler_chain_init(llama.llama_sampler_chain_default_params())
         if chain is None:
@@ -149,7 +148,7 @@ class SamplerChain:
         pointer = llama.llama_get_logits_ith(ctx, batch_index)
         logits = np.ctypeslib.as_array(pointer, shape=(self.n_vocab,))
         token = self._draw(logits, with_grammar=False)
-        if self._grammar is not None and not self._grammar_allows(token, float(logits[token])):
+        if self._grammar is not None and not self._grammar.allows(token):
             token = self._draw(logits, with_grammar=True)
         if self.post_sampling:
             self.last_logprobs = self._post_sampling_at(np, token)
@@ -157,7 +156,7 @@ class SamplerChain:
             self.last_logprobs = _log_softmax_at(np, logits, token, self.top_logprobs)
         llama.llama_sampler_accept(self._chain, token)
         if self._grammar is not None:
-            llama.llama_sampler_accept(self._grammar, token)
+            self._grammar.accept(token)
         return token
 
     def _draw(self, logits, with_grammar: bool) -> int:
@@ -171,10 +170,10 @@ class SamplerChain:
         cand["id"] = self._ids  # again at every draw: samplers sort and cut the array in place
         cand["logit"] = logits
         cand["p"] = 0.0
+        if with_grammar:
+            cand["logit"][~self._grammar.mask()] = -np.inf
         array = llama.llama_token_data_array(
             cand.ctypes.data_as(ctypes.POINTER(llama.llama_token_data)), self.n_vocab, -1, False)
-        if with_grammar:
-            llama.llama_sampler_apply(self._grammar, ctypes.byref(array))
         llama.llama_sampler_apply(self._chain, ctypes.byref(array))
         if not 0 <= array.selected < array.size:
             raise GrammarDeadEnd("the sampler selected no token", "invalid_grammar")
@@ -212,19 +211,11 @@ class SamplerChain:
             best = [(int(ids[i]), float(np.log(probs[i]))) for i in order if probs[i] > 0.0]
         return (float(np.log(chosen)) if chosen > 0.0 else float("-inf")), best
 
-    def _grammar_allows(self, token: int, logit: float) -> bool:
-        one = (llama.llama_token_data * 1)(llama.llama_token_data(token, logit, 0.0))
-        array = llama.llama_token_data_array(one, 1, -1, False)
-        llama.llama_sampler_apply(self._grammar, ctypes.byref(array))
-        return one[0].logit != float("-inf")
-
     def free(self) -> None:
         if self._chain is not None:
             llama.llama_sampler_free(self._chain)
             self._chain = None
-        if self._grammar is not None:
-            llama.llama_sampler_free(self._grammar)
-            self._grammar = None
+        self._grammar = None  # llguidance's matcher is freed with its last reference
 
 
 def _log_softmax_at(np, logits, token: int, top: int) -> tuple[float, list[tuple[int, float]]]:

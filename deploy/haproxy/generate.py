@@ -41,7 +41,37 @@ MODEL_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
 REPLICA_NAME = re.compile(r"^[a-z][a-z0-9-]{0,30}[a-z0-9]$|^[a-z]$")
 TIERS = ("serve", "warm", "wake")
 AGENT_PORT = 8081  # the daemons' agent_port unless DORMOUSE_<R>_AGENT says otherwise
-DESCRIPTION_KEYS = {"replicas", "default_model", "models"}
+DESCRIPTION_KEYS = {"replicas", "default_model", "models", "routing", "balance_factor"}
+# How a model's awake replicas share its requests (fleet.toml's `routing`):
+#   "affinity"  by the conversation's key on a consistent-hash ring (the replica
+#               that holds its prompt cache), each replica's load bounded
+#   "first"     the first listed with a free slot takes everything (the others
+#               go idle and sleep; a conversation lands where its cache is by chance)
+ROUTINGS = ("affinity", "first")
+# Two bounds on a key's replica. Absolute, in the model's backend: a replica
+# with no free slot answers its agent "up 0%" and is off the ring until it has
+# one, so the key's request goes to the next replica of the ring (a hot key
+# fills its replica's slots, then its neighbours'). Relative, in the overflow
+# backend (every replica busy, the daemons queue): hash-balance-factor, no
+# replica queues more than this % of the average of the requests in flight;
+# past it the request goes to the next replica. 150: a hot key may take half
+# again its share, no more. Not in the model's backend: HAProxy's bound is
+# relative to the requests in flight now, and with few in flight (2 of 3 on
+# one replica) it moves conversations away from their cache for nothing
+# (measured, 12 conversations on 3 replicas: 3 of 12 moved at 150, 0 at 1000).
+BALANCE_FACTOR = 150
+# What of a key is hashed: at most this many bytes of it (a key of 1 MB costs
+# what one of KEY_BYTES does; keys equal in their first KEY_BYTES bytes go to
+# one replica). The prompt's first block, when no key is given, at most
+# BLOCK_BYTES (about the prompt cache's first 256-token block of text).
+KEY_BYTES = 256
+# Each affinity line's weight (HAProxy's default is 1): a server gets 16 points
+# on the consistent-hash ring per unit of weight, and 16 points each spread
+# 3,000 keys over 3 replicas 875/1035/1090; 100 gives each 1,600 points and an
+# even spread. The agent's "up 100%" is 100% of it; HAProxy's maximum is 256.
+SERVER_WEIGHT = 100
+BLOCK_BYTES = 1024
+SESSION_HEADER = "X-Session-Id"
 MODEL_KEYS = {"aliases", "replicas"}
 
 
@@ -61,6 +91,8 @@ class Fleet:
     replicas: tuple[str, ...]
     models: tuple[Model, ...]
     default_model: str
+    routing: str = "affinity"
+    balance_factor: int = BALANCE_FACTOR
 
 
 def load_fleet(path: Path) -> Fleet:
@@ -114,7 +146,14 @@ def parse_fleet(data: dict, where: str = "fleet") -> Fleet:
     default = data.get("default_model", models[0].id)
     if default not in tables:
         raise FleetError(f"{where}: default_model {default!r} is not one of the [models.ID] tables")
-    return Fleet(tuple(replicas), tuple(models), default)
+    routing = data.get("routing", "affinity")
+    if routing not in ROUTINGS:
+        raise FleetError(f"{where}: routing {routing!r} must be one of {list(ROUTINGS)}")
+    factor = data.get("balance_factor", BALANCE_FACTOR)
+    # HAProxy's own bounds for hash-balance-factor: 0 (off) or above 100 (at least the average).
+    if isinstance(factor, bool) or not isinstance(factor, int) or not 101 <= factor <= 1000:
+        raise FleetError(f"{where}: balance_factor {factor!r} must be a whole percentage from 101 to 1000")
+    return Fleet(tuple(replicas), tuple(models), default, routing, factor)
 
 
 def env_name(replica: str) -> str:
@@ -209,18 +248,41 @@ HEADER = """\
 #   overflow  the model's other backend: 100% unless stopping
 #   a model that failed on a replica: "down" on that model's lines only
 # A weight of 0 makes a server unusable to HAProxy, so:
-#   - replicas awake with a free slot take all the model's traffic (the first
-#     listed first: `balance first`, so that the others go idle and sleep);
+{routing_lines}
 #   - when none has a free slot, HAProxy uses the first usable backup only
 #     (no `option allbackups`); the warm lines come before the wake lines, so
 #     a load under way is waited for, and otherwise exactly one sleeping
 #     replica is woken;
-#   - when every replica is awake and busy, the overflow backend spreads the
-#     queue over them (each daemon queues up to max_queued, then answers 503
-#     with Retry-After).
+{overflow_line}
 # The agent never says "drain" or "ready": those set an administrative state
 # that outlives the daemon's process and would override an operator's own.
 """
+
+ROUTING_LINES = {
+    "first": """\
+#   - replicas awake with a free slot take all the model's traffic (the first
+#     listed first: `balance first`, so that the others go idle and sleep);""",
+    "affinity": """\
+#   - replicas awake with a free slot share the model's traffic by the
+#     request's key (routing = "affinity": the frontend's txn.key, hashed on a
+#     consistent ring), so a conversation returns to the replica that holds its
+#     prompt cache; a busy one (no free slot) is off the ring until it has
+#     one, and its keys' requests go to the next replica of the ring (a hot
+#     key cannot swamp one replica). Keys move only when a replica joins or
+#     leaves the ring;""",
+}
+OVERFLOW_LINE = {
+    "first": """\
+#   - when every replica is awake and busy, the overflow backend spreads the
+#     queue over them (each daemon queues up to max_queued, then answers 503
+#     with Retry-After).""",
+    "affinity": """\
+#   - when every replica is awake and busy, the overflow backend queues each
+#     request on its key's replica, by the same ring, unless that replica has
+#     more than {factor}% of the average in flight (hash-balance-factor: the
+#     next replica of the ring takes it); each daemon queues up to max_queued,
+#     then answers 503 with Retry-After.""",
+}
 
 GLOBAL_AND_DEFAULTS = """\
 global
@@ -319,10 +381,12 @@ def render(fleet: Fleet, fleet_file: str = "fleet.toml") -> str:
         f"(default {AGENT_PORT})" for r in fleet.replicas)
     blocks = [HEADER.format(fleet_file=fleet_file, replicas=", ".join(fleet.replicas), model_lines=model_lines,
                             bufsize_kib=BUFSIZE // 1024, bufsize=BUFSIZE,
-                            default=fleet.default_model, replica_lines=replica_lines),
+                            default=fleet.default_model, replica_lines=replica_lines,
+                            routing_lines=ROUTING_LINES[fleet.routing],
+                            overflow_line=OVERFLOW_LINE[fleet.routing].format(factor=fleet.balance_factor)),
               global_and_defaults(), "\n".join(frontend(fleet))]
     for model in fleet.models:
-        blocks += model_backends(model)
+        blocks += model_backends(model, fleet)
     # One blank line between sections, none at the end.
     return "\n\n".join(block.strip("\n") for block in blocks) + "\n"
 
@@ -367,6 +431,8 @@ def frontend(fleet: Fleet) -> list[str]:
                                  "no_replica")
         lines.append("    http-request return status 503 content-type application/json hdr Retry-After 1 "
                      f"lf-string {unavailable} if {condition}")
+    if fleet.routing == "affinity":
+        lines += affinity_key()
     for m in fleet.models:
         lines.append(f"    use_backend {overflow_name(m.id)} if {acl_name(m.id)} {{ nbsrv({backend_name(m.id)}) eq 0 }}")
         lines.append(f"    use_backend {backend_name(m.id)} if {acl_name(m.id)}")
@@ -374,11 +440,73 @@ def frontend(fleet: Fleet) -> list[str]:
     return lines
 
 
-def model_backends(model: Model) -> list[str]:
+# Where the conversation's key is read, in this order (a documented rule:
+# docs/SCALING.md, "Affinity"): OpenAI's prompt_cache_key, OpenAI's user,
+# Anthropic's metadata.user_id, the X-Session-Id header. A JSON value that is
+# not a string or a number (an object, a list) is no key.
+KEY_SOURCES = ("req.body,json_query('$.prompt_cache_key')", "req.body,json_query('$.user')",
+               "req.body,json_query('$.metadata.user_id')", f"req.hdr({SESSION_HEADER.lower()})")
+# With no key, the prompt's first block: Anthropic's and Ollama's system, the
+# first message (its text, or its first part's), a completion's prompt, the
+# Responses API's input. A shared system prompt is one key, so it is cached in
+# one place (the balance factor spreads its load).
+BLOCK_SOURCES = ("req.body,json_query('$.system')", "req.body,json_query('$.system[0].text')",
+                 "req.body,json_query('$.messages[0].content')",
+                 "req.body,json_query('$.messages[0].content[0].text')",
+                 "req.body,json_query('$.prompt')", "req.body,json_query('$.input')")
+NO_KEY = "!{ var(txn.key) -m len 1: }"  # unset, or an empty string
+
+
+def affinity_key() -> list[str]:
+    """The frontend's lines that set txn.key, what the model backends hash."""
+    lines = ["    # Affinity: the conversation's key, hashed by the model's backends onto a ring of its",
+             f"    # replicas. prompt_cache_key, else user, else metadata.user_id, else {SESSION_HEADER};",
+             f"    # at most {KEY_BYTES} bytes of it are kept (a 1 MB key costs what a short one does).",
+             f"    # A key past tune.bufsize in the body is not read: send it in {SESSION_HEADER} too."]
+    for index, source in enumerate(KEY_SOURCES):
+        lines.append(f"    http-request set-var(txn.key) {source},bytes(0,{KEY_BYTES})" + (f" if {NO_KEY}" if index else ""))
+    lines.append(f"    # No key: the prompt's first {BLOCK_BYTES} bytes (a shared system prompt lands in one place).")
+    for source in BLOCK_SOURCES:
+        lines.append(f"    http-request set-var(txn.key) {source},bytes(0,{BLOCK_BYTES}) if {NO_KEY}")
+    lines += ["    # Nothing to hash (a GET, a prompt of token ids): the model's name, so such requests",
+              "    # go to one replica rather than round robin.",
+              f"    http-request set-var(txn.key) var(txn.model) if {NO_KEY}"]
+    return lines
+
+
+def server_id(fleet_index: int, tier: str) -> int:
+    """A replica's serve line and its overflow line share one id: HAProxy
+    places a server on the consistent-hash ring by its id and weight, so a key
+    goes to the same replica in the model's backend and in its overflow backend
+    (a queue for the replica that holds its cache). Backups are never on the
+    active ring; their ids only have to differ."""
+    return {"serve": 1, "overflow": 1, "warm": 1001, "wake": 2001}[tier] + fleet_index
+
+
+def weight(fleet: Fleet) -> str:
+    return f" weight {SERVER_WEIGHT}" if fleet.routing == "affinity" else ""
+
+
+def balance(fleet: Fleet, overflow: bool) -> list[str]:
+    if fleet.routing == "first":
+        return ["    balance leastconn" if overflow else "    balance first"]
+    if not overflow:
+        return ["    # Affinity: the key's replica on the ring of the lines with a free slot (a full",
+                "    # replica is off it: the next one of the ring takes the key's request).",
+                "    balance hash var(txn.key)",
+                "    hash-type consistent sdbm avalanche"]
+    return ["    # Affinity: the key's replica on the same ring (same ids, same weights); one past",
+            f"    # {fleet.balance_factor}% of the average in flight passes the request to the next.",
+            "    balance hash var(txn.key)",
+            "    hash-type consistent sdbm avalanche",
+            f"    hash-balance-factor {fleet.balance_factor}"]
+
+
+def model_backends(model: Model, fleet: Fleet | None = None) -> list[str]:
     """The model's backend and its overflow backend, one string each."""
+    fleet = fleet or Fleet((*model.replicas,), (model,), model.id, "first")
     backend, overflow = backend_name(model.id), overflow_name(model.id)
-    lines = [f"backend {backend}",
-             "    balance first"]
+    lines = [f"backend {backend}", *balance(fleet, overflow=False)]
     comments = {
         "serve": "    # serve: awake with a free slot (active lines; the first usable one takes the request).",
         "warm": "    # warm: loading or waking (backups, before the wake lines: a load under way is waited for).",
@@ -388,12 +516,16 @@ def model_backends(model: Model) -> list[str]:
         lines.append(comments[tier])
         for r in model.replicas:
             name, backup = (r, "") if tier == "serve" else (f"{r}-{tier}", " backup")
-            lines.append(f"    server {name} {address(r)}{backup} check {agent(r, tier, model.id)}")
+            ident = server_id(fleet.replicas.index(r), tier)
+            lines.append(f"    server {name} {address(r)}{backup} id {ident}{weight(fleet)} check "
+                         f"{agent(r, tier, model.id)}")
+    spread = "the key's replica queues it" if fleet.routing == "affinity" else "spread the queue"
     spill = [f"backend {overflow}",
-             f"    # Every replica of {model.id} awake and busy: spread the queue.",
-             "    balance leastconn"]
+             f"    # Every replica of {model.id} awake and busy: {spread}.",
+             *balance(fleet, overflow=True)]
     for r in model.replicas:
-        spill.append(f"    server {r} {address(r)} check {agent(r, 'overflow', model.id)}")
+        ident = server_id(fleet.replicas.index(r), "overflow")
+        spill.append(f"    server {r} {address(r)} id {ident}{weight(fleet)} check {agent(r, 'overflow', model.id)}")
     return ["\n".join(lines), "\n".join(spill)]
 
 

@@ -342,4 +342,5 @@ def test_a_full_attention_model_restores_by_the_longest_common_prefix(start_daem
     for edited, kept in ((prompt[:200] + [7] * 50, 200), (prompt, 299)):  # an edit; a regenerate
         assert d.http.post("/sleep").status_code == 200
         assert ask(edited) == kept
-    assert value(d.http.get("/metrics").text, "dormouse_kv_cache_restored_tokens_total") == 200 + 299
+    metrics = d.http.get("/metrics").text
+    assert sum(value(metrics, "dormouse_prompt_cache_tokens_total", tier=t) for t in ("ram", "disk")) == 200 + 299

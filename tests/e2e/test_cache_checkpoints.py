@@ -72,7 +72,7 @@ def test_the_rows_of_the_issue_after_a_sleep_keep_nearly_the_whole_prompt(start_
     _, n, cached = chat(d, history)
     assert cached >= n2 - 2
     metrics = d.http.get("/metrics").text
-    assert value(metrics, "dormouse_kv_cache_rejected_files_total", reason="corrupt") == 0
+    assert value(metrics, "dormouse_prompt_cache_rejected_files_total", reason="corrupt") == 0
 
 
 def test_after_an_eviction_to_ram_and_a_restart_a_regenerate_and_an_edit_come_back(start_daemon, tmp_path):
@@ -123,7 +123,7 @@ def test_a_restart_with_another_parallel_keeps_the_saved_prompts(start_daemon, t
     _, n, cached = chat(d, history)
     assert cached == n1 - 1
     metrics = d.http.get("/metrics").text
-    assert value(metrics, "dormouse_kv_cache_rejected_files_total", reason="corrupt") == 0
+    assert value(metrics, "dormouse_prompt_cache_rejected_files_total", reason="corrupt") == 0
 
 
 def test_two_scopes_never_share_a_cache_and_a_probe_learns_nothing(start_daemon, tmp_path):

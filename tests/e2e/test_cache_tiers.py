@@ -81,7 +81,7 @@ def test_three_conversations_on_one_slot_come_back_from_ram_then_from_disk_after
         assert answer == ref_answer
     metrics = d.http.get("/metrics").text
     assert value(metrics, "dormouse_prompt_cache_hits_total", tier="disk") >= 1
-    assert value(metrics, "dormouse_kv_cache_rejected_files_total", reason="corrupt") == 0
+    assert value(metrics, "dormouse_prompt_cache_rejected_files_total", reason="corrupt") == 0
 
 
 def test_a_ram_budget_of_one_byte_keeps_nothing_in_ram_and_answers_do_not_change(start_daemon, tmp_path):

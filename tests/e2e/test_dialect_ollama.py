@@ -131,7 +131,7 @@ def test_refusals_reach_the_client_as_response_errors(client):
     assert missing.value.status_code == 404
     with pytest.raises(ollama.ResponseError) as pulled:
         client.pull("gemma3")
-    assert pulled.value.status_code == 501 and "configuration" in pulled.value.error
+    assert pulled.value.status_code == 400 and "owner/name" in pulled.value.error  # a library name: not the hub's
 
 
 # -- embeddings ---------------------------------------------------------------------------

@@ -70,6 +70,18 @@ def test_a_function_tool_round_trip(client):
     assert second.output[0].type == "message" and second.output_text.strip()
 
 
+def test_a_forced_call_wins_over_text_format(client):
+    """Issue 30: text.format with a forced tool_choice was a 400; as in OpenAI's API the call is the answer."""
+    fmt = {"format": {"type": "json_schema", "name": "x", "strict": True, "schema": {
+        "type": "object", "properties": {"answer": {"type": "string"}}, "required": ["answer"],
+        "additionalProperties": False}}}
+    reply = client.responses.create(model=MODEL, input="Weather in Oslo?", tools=[WEATHER], text=fmt,
+                                    tool_choice={"type": "function", "name": "get_weather"},
+                                    max_output_tokens=48, temperature=0)
+    (call,) = [item for item in reply.output if item.type == "function_call"]
+    assert call.name == "get_weather" and isinstance(json.loads(call.arguments)["city"], str)
+
+
 def test_a_streamed_forced_call_assembles_to_the_call(client):
     events = list(client.responses.create(model=MODEL, input="Weather in Oslo?", tools=[WEATHER], stream=True,
                                           tool_choice={"type": "function", "name": "get_weather"},

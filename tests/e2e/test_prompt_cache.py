@@ -61,9 +61,10 @@ def test_a_long_conversation_resumes_after_sleep_with_the_same_answer(start_daem
           f"({kv_save['freed_bytes'] / saved_prefix:.0f} bytes/token)")
     assert cached >= usage1["prompt_tokens"]  # at least the first turn came back from disk
     metrics = d.http.get("/metrics").text
-    assert value(metrics, "dormouse_kv_cache_hits_total") == 1
-    assert value(metrics, "dormouse_kv_cache_restored_tokens_total") == cached
-    assert value(metrics, "dormouse_kv_cache_saved_bytes_total") >= kv_save["freed_bytes"]
+    restored_hits = sum(value(metrics, "dormouse_prompt_cache_hits_total", tier=t) for t in ("ram", "disk"))
+    assert restored_hits == 1
+    assert sum(value(metrics, "dormouse_prompt_cache_tokens_total", tier=t) for t in ("ram", "disk")) == cached
+    assert value(metrics, "dormouse_prompt_cache_saved_bytes_total") >= kv_save["freed_bytes"]
 
     # The same turn with nothing saved: a full re-read gives the same greedy answer.
     sleep(d)  # (saves this turn's prompt and its checkpoints: removed below, while the model sleeps)
@@ -96,7 +97,7 @@ def test_bad_files_are_deleted_counted_and_never_trusted(start_daemon, tmp_path)
         return directory / name
 
     def rejected(reason: str) -> float:
-        return value(d.http.get("/metrics").text, "dormouse_kv_cache_rejected_files_total", reason=reason)
+        return value(d.http.get("/metrics").text, "dormouse_prompt_cache_rejected_files_total", reason=reason)
 
     # The reference: turn 2 read in full (nothing saved).
     saved.unlink()

@@ -119,6 +119,17 @@ def test_page_shows_a_sleeping_model_then_its_wake(start_daemon, watched):
     w = watched()
     check_page_loads(w, d.url)
     check_shows_state(w, model_id, "sleeping", timeout=4 * REFRESH)
+    # Asleep: no slot rows (no worker holds any), and why and when it fell asleep.
+    card = w.page.locator(f'article[data-model="{model_id}"]')
+    assert card.locator("tr.slot").count() == 0, card.inner_text()
+    assert "no worker holds slots" in card.locator(".slots").inner_text()
+    asleep = card.locator("dl.facts dt", has_text="asleep")
+    assert asleep.count() == 1, card.inner_text()
+    why = card.locator("dl.facts dt:text-is('asleep') + dd").inner_text()
+    slept_at = d.props()["last_sleep"]["at"]
+    assert why.startswith("asked to (POST /sleep)") and " ago)" in why, why
+    shown_clock = w.page.evaluate("at => new Date(at * 1000).toLocaleTimeString()", slept_at)
+    assert f"at {shown_clock}" in why, (why, shown_clock)  # the sleep's own time, as the page's clock writes it
     seen_wakes = wakes(w.page, model_id)  # the start's load is a wake too, if the page saw one
     assert w.page.locator("#timeline li.event[data-kind='sleep']").count() >= 1, "the sleep is on the timeline"
 

@@ -99,7 +99,7 @@ def test_json_object_and_llama_server_json_schema(client, daemon):
                                          response_format={"type": "json_object"}, temperature=0, max_tokens=200,
                                          frequency_penalty=1.0)
     assert out.choices[0].finish_reason == "stop"
-    assert isinstance(json.loads(out.choices[0].message.content), dict)
+    assert isinstance(json.loads(out.choices[0].message.content), dict), repr(out.choices[0].message.content)
     schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"], "additionalProperties": False}
     r = daemon.http.post("/v1/completions", json={"model": "chat", "prompt": "A number:", "json_schema": schema,
                                                   "temperature": 0, "max_tokens": 40})
@@ -118,11 +118,11 @@ def test_unenforceable_schema_and_broken_grammar_are_400_and_the_worker_lives(da
     r = daemon.http.post("/v1/completions", json={"model": "chat", "prompt": "x", "grammar": "root ::= [a-z"})
     assert r.status_code == 400, r.text
     r = daemon.http.post("/v1/completions", json={"model": "chat", "prompt": "x", "grammar": "root ::= root \"a\""})
-    assert r.status_code == 400, r.text  # left recursion: llama.cpp refuses it
+    assert r.status_code == 400, r.text  # matches nothing: llguidance stops before the first token
     # A grammar with no way on after its first token, on two choices decoded in one batch: the first
     # choice's dead end ends the request, and its sibling, ended with it, is not sampled (it was, once: a crash).
     r = daemon.http.post("/v1/completions", json={"model": "chat", "prompt": "Say a:", "n": 2, "max_tokens": 5,
-                                                  "grammar": 'root ::= "a" "\\x00"'})
+                                                  "grammar": 'root ::= "a" x\nx ::= x "b"'})
     assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_grammar", r.text
     assert daemon.http.get("/props", params={"model": "chat"}).json()["last_wake"]["worker_pid"] == worker
     r = daemon.http.post("/v1/completions", json={"model": "chat", "prompt": "x", "max_tokens": 3,
@@ -202,6 +202,20 @@ def test_a_required_call_is_made_once_unless_parallel_calls_are_asked(client):
     c = client.chat.completions.create(model="chat", messages=ask("What is the weather in Oslo?"), tools=[WEATHER],
                                        tool_choice="required", temperature=0, max_tokens=200).choices[0]
     assert c.finish_reason == "tool_calls" and len(c.message.tool_calls) == 1, c
+
+
+def test_a_forced_call_wins_over_response_format_and_stop(client):
+    """Issue 30: instructor, LangChain and pydantic-ai send response_format and stop with tool_choice on every
+    call; as in OpenAI's API the forced call is the answer, and the stop strings do not cut its JSON."""
+    fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object", "properties": {
+        "answer": {"type": "string"}}, "required": ["answer"], "additionalProperties": False}, "strict": True}}
+    c = client.chat.completions.create(model="chat", messages=ask("What is the weather in Oslo?"), tools=[WEATHER],
+                                       tool_choice="required", response_format=fmt, stop=['"', "}", ","],
+                                       temperature=0, max_tokens=200).choices[0]
+    assert c.finish_reason == "tool_calls" and c.message.content is None, c
+    (call,) = c.message.tool_calls
+    arguments = json.loads(call.function.arguments)  # whole, though '"', '}' and ',' are stop strings
+    assert call.function.name == "get_weather" and set(arguments) == {"city", "unit"}, arguments
 
 
 def test_forced_arguments_stream_token_by_token(client):

@@ -20,7 +20,7 @@ async def test_an_allowed_origin_gets_its_preflight_answered_without_a_key():
     async with fake_daemon(cors_origins=[UI], api_key="k") as (_, client):
         for path in ("/v1/chat/completions", "/v1/models", "/api/chat", "/v1/messages", "/completion", "/props"):
             response = await client.options(path, headers=preflight(UI))
-            assert response.status == 204, path
+            assert response.status == 200, path  # llama-server's status for a preflight
             assert response.headers["Access-Control-Allow-Origin"] == UI
             assert "POST" in response.headers["Access-Control-Allow-Methods"] or "GET" in \
                 response.headers["Access-Control-Allow-Methods"]
@@ -38,19 +38,50 @@ async def test_every_route_answers_a_preflight_from_a_listed_origin():
         assert ("/slots/0", "POST") in routes and ("/api/chat", "POST") in routes and ("/models", "GET") in routes
         for path, method in sorted(routes):
             response = await client.options(path, headers=preflight(UI, method))
-            assert response.status == 204, (path, method)
+            assert response.status == 200, (path, method)
             assert response.headers["Access-Control-Allow-Origin"] == UI
             assert method in response.headers["Access-Control-Allow-Methods"], (path, method)
 
 
-async def test_a_preflight_from_another_origin_or_for_no_route_is_refused():
+async def test_a_preflight_from_another_origin_gets_no_cors_headers_and_its_post_stays_refused():
+    """llama-server's answer to an unlisted origin's preflight: 200 with no Access-Control-* header (the
+    browser refuses the real request). The POST a page can send without a preflight still never runs."""
     async with fake_daemon(cors_origins=[UI]) as (_, client):
         response = await client.options("/v1/chat/completions", headers=preflight("http://evil.example"))
-        assert response.status == 403
-        assert "Access-Control-Allow-Origin" not in response.headers
+        assert response.status == 200
+        assert not [h for h in response.headers if h.lower().startswith("access-control-")], response.headers
         assert (await client.options("/no/such/route", headers=preflight(UI))).status == 404
+        # A form-style POST (no preflight) and a JSON one from the unlisted origin: refused before any handler runs.
+        for data, kind in ((b"prompt=hi", "application/x-www-form-urlencoded"), (b'{"prompt": "hi"}', "application/json")):
+            refused = await client.post("/v1/completions", data=data, headers={"Origin": "http://evil.example",
+                                                                                "Content-Type": kind})
+            assert refused.status == 403 and (await refused.json())["error"]["code"] == "cross_origin"
     async with fake_daemon() as (_, client):  # no cors_origins: no origin is allowed
-        assert (await client.options("/v1/models", headers=preflight(UI))).status == 403
+        response = await client.options("/v1/models", headers=preflight(UI))
+        assert response.status == 200 and "Access-Control-Allow-Origin" not in response.headers
+
+
+LOOPBACK = ["http://localhost", "http://localhost:8080", "http://127.0.0.1", "http://127.0.0.1:3000",
+            "http://[::1]", "http://[::1]:3000", "https://localhost:8443"]
+NOT_LOOPBACK = ["http://web.mydomain.fr", "http://evil.com", "http://notlocalhost", "http://localhost.evil.com",
+                "http://127.0.0.1.evil.com", "null", "localhost", "*", "http://[::2]", "x" * 5000]
+
+
+async def test_cors_origins_localhost_allows_every_loopback_origin_and_port_and_nothing_else():
+    """llama-server's --cors-origins localhost: a page from this machine on any port; a look-alike host is not."""
+    async with fake_daemon(cors_origins=["localhost"]) as (_, client):
+        for origin in LOOPBACK:
+            response = await client.options("/completions", headers=preflight(origin))
+            assert response.status == 200 and response.headers.get("Access-Control-Allow-Origin") == origin, origin
+            served = await client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2},
+                                       headers={"Origin": origin})
+            assert served.status == 200 and served.headers["Access-Control-Allow-Origin"] == origin, origin
+        for origin in NOT_LOOPBACK:
+            response = await client.options("/completions", headers=preflight(origin))
+            assert response.status == 200 and "Access-Control-Allow-Origin" not in response.headers, origin
+            refused = await client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2},
+                                        headers={"Origin": origin})
+            assert refused.status == 403, origin
 
 
 async def test_cross_origin_posts_from_a_listed_origin_are_served_with_cors_headers():
@@ -76,7 +107,7 @@ async def test_cross_origin_posts_from_a_listed_origin_are_served_with_cors_head
 @pytest.mark.parametrize("value, expected", [
     (["https://UI.example:443"], ["https://ui.example"]), ("http://a.example, http://b.example:8080",
                                                           ["http://a.example", "http://b.example:8080"]),
-    (["*"], ["*"]),
+    (["*"], ["*"]), ("localhost, http://a.example", ["localhost", "http://a.example"]),
 ])
 def test_cors_origins_are_normalized_as_browsers_send_them(value, expected):
     assert Settings(cors_origins=value).cors_origins == expected

@@ -293,7 +293,7 @@ async def test_version_and_the_management_endpoints_that_are_not_here():
     async with fake_daemon() as (controller, client):
         version = await (await client.get("/api/version")).json()
         assert version["version"].count(".") == 2 and "dormouse" in version
-        for method, path in (("POST", "/api/pull"), ("POST", "/api/push"), ("POST", "/api/create"),
+        for method, path in (("POST", "/api/push"), ("POST", "/api/create"),
                              ("POST", "/api/copy"), ("DELETE", "/api/delete"), ("POST", "/api/blobs/sha256:abc")):
             response = await client.request(method, path, json={"model": "x"})
             assert "configuration" in await ollama_error(response, 501), path
@@ -414,7 +414,8 @@ HOSTILE = [
     ("/api/generate", {"context": [1, 2, 3]}, "context"),
     ("/api/embed", {"input": 5}, "input"),
     ("/api/embed", {"input": ["a", ""]}, "input"),
-    ("/api/embed", {"input": "a", "truncate": True}, "truncate"),
+    ("/api/embed", {"input": "a", "truncate": "yes"}, "truncate"),
+    ("/api/embed", {"input": "a", "truncate": 1}, "truncate"),
     ("/api/embed", {"input": "a", "options": {"temperature": 0.1}}, "options.temperature"),
     ("/api/embed", {"input": "a", "options": {"num_predict": 3}}, "options.num_predict"),
     ("/api/embeddings", {"prompt": 5}, "prompt"),

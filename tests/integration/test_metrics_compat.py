@@ -198,7 +198,7 @@ async def test_the_mapping_follows_dormouse_through_a_recording(monkeypatch):
     assert one(s["waking"], "llamacpp:requests_deferred") == 1 and one(s["waking"], "vllm:kv_cache_usage_perc") == 0
     assert one(s["asleep"], "vllm:num_requests_running") == 0
     # Counters and histograms are Dormouse's own, renamed.
-    prompt, cached = value(end, "dormouse_prompt_tokens_total"), value(end, "dormouse_prompt_cached_tokens_total")
+    prompt, cached = value(end, "dormouse_prompt_tokens_total"), value(end, "dormouse_prompt_cache_tokens_total")
     generated = value(end, "dormouse_generated_tokens_total")
     assert prompt > 0 and generated > 0
     assert one(end, "vllm:prompt_tokens_total") == prompt == one(end, "vllm:prefix_cache_queries_total")

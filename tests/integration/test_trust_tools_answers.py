@@ -167,7 +167,7 @@ async def test_parallel_tool_calls_is_false_unless_asked(scripted):
         while len(jobs) < 4:
             await asyncio.sleep(0.005)
         grammar = jobs[-1].submit.params.grammar
-        assert 'root ::= "[" space call "]" space' in grammar.splitlines()  # exactly one call
+        assert '"minItems":1,"maxItems":1' in grammar  # exactly one call
         answer(jobs[-1], [f"[{CALL}]"])
         assert (await forced).status == 200
 

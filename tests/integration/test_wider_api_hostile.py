@@ -26,8 +26,10 @@ HOSTILE = [
     ("/v1/chat/completions", {"messages": ASK, "response_format": "json"}, "response_format"),
     ("/v1/completions", {"prompt": "x", "json_schema": nested(200)}, "json_schema"),
     ("/v1/completions", {"prompt": "x", "json_schema": {"$ref": "https://example.com/s.json"}}, "json_schema"),
-    ("/v1/completions", {"prompt": "x", "json_schema": {"type": "number", "minimum": 3}}, "json_schema"),
-    ("/v1/completions", {"prompt": "x", "json_schema": {"type": "integer", "multipleOf": 3}}, "json_schema"),
+    # Enforced since llguidance (number ranges, multipleOf); these two it cannot enforce:
+    ("/v1/completions", {"prompt": "x", "json_schema": {"type": "array", "uniqueItems": True}}, "json_schema"),
+    ("/v1/completions", {"prompt": "x", "json_schema": {"type": "string", "x-guidance": {"lenient": True}}},
+     "json_schema"),
     ("/v1/completions", {"prompt": "x", "grammar": "root ::= \"a\"" + " " * 100_000}, "grammar"),
     ("/v1/completions", {"prompt": "x", "grammar": 5}, "grammar"),
     # Found by review: each of these killed or hung the worker inside llama_sampler_init_grammar.
@@ -54,7 +56,6 @@ HOSTILE = [
     ("/v1/chat/completions", {"messages": [{"role": "robot", "content": "x"}]}, "messages"),
     ("/v1/chat/completions", {"messages": ASK, "functions": [{"name": "f", "parameters": {}}]}, "functions"),
     ("/v1/chat/completions", {"messages": ASK, "function_call": {"name": "f"}}, "function_call"),
-    ("/v1/chat/completions", {"messages": ASK, "tools": [TOOL], "tool_choice": "required", "stop": ["x"]}, "stop"),
     ("/v1/chat/completions", {"messages": ASK, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ("/v1/chat/completions", {"messages": ASK, "logprobs": "maybe"}, "logprobs"),
     ("/v1/chat/completions", {"messages": ASK, "top_logprobs": 3}, "top_logprobs"),

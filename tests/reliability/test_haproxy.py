@@ -194,7 +194,7 @@ class Replica:
 class HAProxy:
     """deploy/haproxy/haproxy.cfg in the foreground (-db) on a free port."""
 
-    def __init__(self, replicas: list, workdir: Path, env: dict[str, str] | None = None) -> None:
+    def __init__(self, replicas: list, workdir: Path, env: dict[str, str] | None = None, cfg: Path = CFG) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.socket_path = str(workdir / "haproxy.sock")
@@ -207,7 +207,7 @@ class HAProxy:
         if os.path.exists(self.socket_path):
             os.unlink(self.socket_path)  # a previous HAProxy's, in the same directory
         with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen(["haproxy", "-db", "-f", str(CFG)], env=env, stdout=log,
+            self.proc = subprocess.Popen(["haproxy", "-db", "-f", str(cfg)], env=env, stdout=log,
                                          stderr=subprocess.STDOUT)
         until(self._answering, 10, "haproxy's runtime API")
 
@@ -298,8 +298,8 @@ def awake_set(*names: str, model: str = DEFAULT) -> set[str]:
 
 
 @contextmanager
-def three_replicas(workdir: Path, path: str, per_replica=lambda name: {}):
-    """Three daemons (Replica's options from per_replica(name)) and HAProxy in front of them."""
+def three_replicas(workdir: Path, path: str, per_replica=lambda name: {}, cfg: Path = CFG):
+    """Three daemons (Replica's options from per_replica(name)) and HAProxy (`cfg`) in front of them."""
     replicas = [Replica(name, path, workdir, **per_replica(name)) for name in REPLICAS]
     proxy = None
     try:
@@ -307,7 +307,7 @@ def three_replicas(workdir: Path, path: str, per_replica=lambda name: {}):
             r.start()
         for r in replicas:
             r.wait_state("ready", "sleeping", timeout=120)
-        proxy = HAProxy(replicas, workdir)
+        proxy = HAProxy(replicas, workdir, cfg=cfg)
         yield replicas, proxy
     finally:
         if proxy is not None:
@@ -366,7 +366,8 @@ async def named_model(request) -> str | None:
 
 
 @asynccontextmanager
-async def stand_ins(tmp_path: Path, agent_answer, env: dict[str, str] | None = None, health=None):
+async def stand_ins(tmp_path: Path, agent_answer, env: dict[str, str] | None = None, health=None,
+                    cfg: Path = CFG, delay: float = 0.0):
     """Three stand-ins behind HAProxy; `agent_answer(stand_in)` is each one's
     asyncio connection handler for the agent port, `health(request)` the
     status of /health (200 when not given)."""
@@ -382,8 +383,10 @@ async def stand_ins(tmp_path: Path, agent_answer, env: dict[str, str] | None = N
                 s.hits[await named_model(request)] += 1
                 if request.path == "/busy":  # what a daemon answers when its queue is full
                     return web.json_response({"error": {"code": "queue_full"}}, status=503, headers={"Retry-After": "7"})
+                if delay:  # requests held in flight: HAProxy's count of each server's load
+                    await asyncio.sleep(delay)
                 return web.json_response({"replica": s.name})
-            app = web.Application()
+            app = web.Application(client_max_size=8 * 2**20)  # a daemon reads bodies of a few MB too
             app.router.add_route("*", "/{tail:.*}", handle)
             runner = web.AppRunner(app)
             await runner.setup()
@@ -391,7 +394,7 @@ async def stand_ins(tmp_path: Path, agent_answer, env: dict[str, str] | None = N
             await web.TCPSite(runner, "127.0.0.1", s.port).start()
             agent = await asyncio.start_server(agent_answer(s), "127.0.0.1", s.agent_port)
             cleanups.append(lambda agent=agent: _close(agent))
-        proxy = await asyncio.to_thread(HAProxy, servers, tmp_path, env)
+        proxy = await asyncio.to_thread(HAProxy, servers, tmp_path, env, cfg)
         cleanups.append(lambda: asyncio.to_thread(proxy.stop))
         yield servers, proxy
     finally:
@@ -476,8 +479,8 @@ def test_haproxy_tiers_with_stand_in_agents(tmp_path):
                     set_states(*snapshots)
                     await settle(servers)
                     seen = Counter()
-                    for _ in range(12):
-                        response = await client.post("/x", json={})
+                    for i in range(12):  # twelve conversations: affinity spreads them over the usable lines
+                        response = await client.post("/x", json={"prompt_cache_key": f"conversation-{i}"})
                         seen[response.json()["replica"] if response.status_code == 200 else response.status_code] += 1
                     results[label] = dict(seen)
 
@@ -505,12 +508,13 @@ def test_haproxy_tiers_with_stand_in_agents(tmp_path):
     figures("tiers (12 requests per phase)", **{k.replace(" ", "_").replace(",", ""): v for k, v in results.items()})
     assert results["all asleep"] == {"r1": 12}  # the first sleeping replica only: one wake
     assert results["r2 awake"] == {"r2": 12}  # the awake one, not the sleeping r1 listed before it
-    assert results["r2 and r3 awake"] == {"r2": 12}  # balance first: r3 goes idle and falls asleep
+    # routing = "affinity": the awake replicas share the conversations by key (with "first", r2 took all)
+    assert set(results["r2 and r3 awake"]) == {"r2", "r3"} and sum(results["r2 and r3 awake"].values()) == 12
     assert results["r2 saturated"] == {"r1": 12}  # one sleeper woken (the first), r3 stays asleep
     assert results["r2 saturated, r3 waking"] == {"r3": 12}  # wait for that wake rather than wake r1
     assert results["r1 waking, r2 awake"] == {"r2": 12}  # a free slot now beats a load under way
     all_full = results["all saturated"]
-    assert set(all_full) == {"r1", "r2", "r3"} and sum(all_full.values()) == 12  # overflow: queues spread
+    assert set(all_full) == {"r1", "r2", "r3"} and sum(all_full.values()) == 12  # overflow: queues by key
     assert results["daemon 503"] == (503, "7", 1)
     assert results["all stopping"] == {503: 12}
     assert results["503"] == ("1", "no_replica")  # HAProxy's own 503 reads like the daemon's
@@ -673,7 +677,8 @@ def test_agent_drain_outlives_the_process(tmp_path):
             up_0=zero, up_0_then_up_100=after_zero)
     assert drained[0].startswith("DRAIN") and after_drain[0].startswith("DRAIN")  # sticky
     assert zero == ("UP", 0)  # weight 0: no new requests (the tiers test shows it) ...
-    assert after_zero == ("UP", 1)  # ... and the next answer replaces it
+    # ... and the next answer replaces it (100% of the line's weight: 100 on affinity lines, else 1)
+    assert after_zero == ("UP", 100 if FLEET.routing == "affinity" else 1)
 
 
 def test_health_checks_send_the_host_and_metrics_key(tmp_path):

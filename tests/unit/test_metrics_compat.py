@@ -33,13 +33,12 @@ def text(families: MetricFamilies, kinds=ALL) -> str:
 
 def done(reason="stop", prompt=10, completion=5, cached=4, prefill=0.1, decode=0.4) -> p.Done:
     return p.Done("r", reason, prompt_tokens=prompt, completion_tokens=completion, cached_tokens=cached,
-                  prompt_seconds=prefill, generation_seconds=decode)
+                  prompt_seconds=prefill, generation_seconds=decode, cache_tier="slot" if cached else "")
 
 
 def finish(m: Metrics, d: p.Done, waited: float = 0.5, choices: int = 1) -> None:
     """As the controller accounts a Done (and the HTTP layer its duration)."""
     m.prompt_tokens.inc(d.prompt_tokens)
-    m.cached_prompt_tokens.inc(d.cached_tokens)
     m.generated_tokens.inc(d.completion_tokens)
     m.observe_request(d, time.monotonic() - waited - d.prompt_seconds - d.generation_seconds, choices)
 

@@ -119,6 +119,7 @@ def _request_models() -> list[type]:
     from daemon.http.dialects.ollama.request import (OllamaChatRequest, OllamaEmbedRequest, OllamaGenerateRequest,
                                         OllamaLegacyEmbeddingsRequest)
     from daemon.http.dialects.ollama.models import ShowRequest
+    from daemon.http.dialects.ollama.pull import PullRequest
     from daemon.http.dialects.llama_server.rerank import RerankRequest
     from daemon.http.dialects.responses.request import ResponsesRequest
     from daemon.http.dialects.llama_server.slot_files import SlotFileRequest
@@ -126,7 +127,7 @@ def _request_models() -> list[type]:
     return [CompletionRequest, ChatCompletionRequest, EmbeddingsRequest, TokenizeRequest, DetokenizeRequest,
             ApplyTemplateRequest, NativeCompletionRequest, ResponsesRequest, MessagesRequest, CountTokensRequest,
             OllamaChatRequest, OllamaGenerateRequest, OllamaEmbedRequest, OllamaLegacyEmbeddingsRequest, ShowRequest,
-            InfillRequest, RerankRequest, SlotFileRequest]
+            InfillRequest, RerankRequest, SlotFileRequest, PullRequest]
 
 
 @cache
@@ -163,6 +164,7 @@ def openapi_document() -> dict[str, Any]:
         "/v1/chat/completions": chat,
         "/chat/completions": chat,
         "/v1/chat/completions/input_tokens": _generation("ChatCompletionRequest", input_tokens, False),
+        "/chat/completions/input_tokens": _generation("ChatCompletionRequest", input_tokens, False),
         "/v1/embeddings": embeddings,
         "/embeddings": embeddings,
         "/v1/models": models,
@@ -176,6 +178,8 @@ def openapi_document() -> dict[str, Any]:
         "/v1/responses": _generation("ResponsesRequest",
                                      "a response object (JSON, or its SSE events when stream is true)"),
         "/v1/responses/input_tokens": _generation("ResponsesRequest", input_tokens, False),
+        "/responses": _generation("ResponsesRequest", "as /v1/responses (llama-server's unversioned alias)"),
+        "/responses/input_tokens": _generation("ResponsesRequest", input_tokens, False),
         # Anthropic Messages.
         "/v1/messages": _generation("MessagesRequest",
                                     "a message (JSON, or Anthropic's SSE events when stream is true)",
@@ -218,7 +222,10 @@ def openapi_document() -> dict[str, Any]:
         "/api/tags": _get("the configured models", 401, 403, dialect="ollama"),
         "/api/ps": _get("the loaded models, with expires_at from the real idle deadline", 401, 403, dialect="ollama"),
         "/api/version": _get("Ollama's API version that is spoken", 401, 403, dialect="ollama"),
-        "/api/pull": _not_served("post"),
+        "/api/pull": _generation("PullRequest", "Ollama's pull progress (NDJSON lines, or the last object when stream "
+                                               "is false): a served model is success at once, owner/name[:QUANT] is "
+                                               "fetched from Hugging Face", dialect="ollama", streamed_as=_NDJSON,
+                                 errors=(400, 401, 403, 413, 415, 502)),
         "/api/push": _not_served("post"),
         "/api/create": _not_served("post"),
         "/api/copy": _not_served("post"),

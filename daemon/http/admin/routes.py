@@ -137,7 +137,18 @@ async def metrics(request: web.Request) -> web.Response:
         controller.tier_gauges()  # the predicted wake as of now (the page cache moves without a transition)
     # metrics_compat: the names other tools read (daemon/metrics_compat.py); none: Dormouse's own only.
     body, content_type = request.app[METRICS].render(request.app[SETTINGS].metrics_compat)
-    return web.Response(body=body, headers={"Content-Type": content_type})
+    # llama-server's header: when this daemon process started (Unix seconds), so a scraper can tell a restart
+    # (every counter back to zero) from a quiet spell.
+    return web.Response(body=body, headers={"Content-Type": content_type, "Process-Start-Time-Unix": _STARTED})
+
+
+def _process_start() -> str:
+    import psutil
+
+    return str(int(psutil.Process().create_time()))
+
+
+_STARTED = _process_start()
 
 
 async def _sleep_one(request: web.Request, model: FleetModel, tier: str | None = None) -> dict:

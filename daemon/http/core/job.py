@@ -161,9 +161,6 @@ async def chat_job(request: web.Request, chat: ChatCompletionRequest, endpoint: 
     words by `rename`."""
     messages, tools = chat_inputs(request, chat, param)
     try:
-        if chat.forces_tool_call and chat.stop:
-            raise ApiError(400, "stop: a forced tool call (tool_choice required or named) is the whole answer; "
-                                "cutting it at a string would break its JSON", "invalid_value", param="stop")
         grammar = await structured_grammar(request, chat, chat=chat)
     except ApiError as exc:
         raise rename(exc) from None
@@ -171,5 +168,9 @@ async def chat_job(request: web.Request, chat: ChatCompletionRequest, endpoint: 
     settings = model.controller.settings  # the model's own defaults for what the body leaves out
     limit = chat.max_completion_tokens or chat.max_tokens or default_limit(settings, chat.token_limit)
     params = chat.sampling(limit, grammar, chat.wanted_logprobs, defaults=settings)
+    if chat.forces_tool_call and params.stop:
+        # A forced call (tool_choice required or named) is the whole answer, as in OpenAI's API: stop strings,
+        # which clients send on every call, would cut its JSON, so they do not apply to it.
+        params = msgspec.structs.replace(params, stop=[])
     job = model.controller.new_job(endpoint, params, messages=messages, tools=tools, n=chat.n, **chat.template_args())
     return model, job

@@ -1,5 +1,6 @@
 """Ollama's model listing and details: /api/tags, /api/ps, /api/show, /api/version,
-and the model-management endpoints Dormouse does not have (501).
+and the model-management endpoints Dormouse does not have (501; /api/pull is
+pull.py's).
 
 Everything here answers from the fleet and the GGUF file's header
 (daemon/model/gguf_header.py, read off the event loop and kept per file
@@ -268,7 +269,7 @@ def add_routes(app: web.Application) -> None:
     app.router.add_post("/api/show", show)
     app.router.add_get("/api/version", version)
     configured = "a [models.ID] table per model"
-    for path in ("/api/pull", "/api/push", "/api/create", "/api/copy"):
+    for path in ("/api/push", "/api/create", "/api/copy"):  # /api/pull: pull.py
         app.router.add_post(path, _not_here(configured))
     app.router.add_delete("/api/delete", _not_here(configured))
     app.router.add_post("/api/blobs/{digest}", _not_here(configured))

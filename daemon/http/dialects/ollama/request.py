@@ -44,6 +44,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, Valida
 
 from daemon.fleet.owner import FleetModel
 from daemon.http.dialects.ollama import models as ollama_models
+from daemon.http.dialects.ollama import pull as ollama_pull
 from daemon.http.dialects.ollama.models import ollama_model, slot_context
 from daemon.http.errors import ApiError
 from daemon.http.keys import FLEET, require_privilege
@@ -307,21 +308,14 @@ _REFUSED_GENERATE_FIELDS = {
 
 class OllamaEmbedRequest(OllamaFields):
     input: str | Annotated[list[str], Field(max_length=MAX_EMBEDDING_INPUTS)] | None = None
-    truncate: StrictBool | None = None
+    truncate: StrictBool = Field(True, description="Ollama's: an input longer than the model reads at once is cut "
+                                                   "at its end; false: refused")
     dimensions: StrictInt | None = Field(None, ge=1, le=1 << 20)
 
     @field_validator("input", mode="before")
     @classmethod
     def _input_count(cls, value: Any) -> Any:
         return _at_most(value, MAX_EMBEDDING_INPUTS, "inputs")
-
-    @field_validator("truncate")
-    @classmethod
-    def _no_truncation(cls, value: bool | None) -> bool | None:
-        if value:
-            raise ValueError("inputs are never cut here: one longer than the model's context is refused (send "
-                             "truncate: false, or shorter inputs)")
-        return value
 
 
 class OllamaLegacyEmbeddingsRequest(OllamaFields):
@@ -527,7 +521,8 @@ async def embed(request: web.Request) -> web.Response:
     if any(not text for text in inputs):
         raise ApiError(400, "input: an empty string has no embedding", "invalid_value", param="input")
     check_dimensions(body.dimensions, await ollama_models.embedding_length(model))
-    job = model.controller.new_query("ollama.embed", "embed", inputs=inputs, keep_alive=body.keep_alive)
+    job = model.controller.new_query("ollama.embed", "embed", inputs=inputs, truncate=body.truncate,
+                                     keep_alive=body.keep_alive)
     result = await run_query(request, model, job)
     return web.json_response(embed_body(body.model or model.id, job, model.controller, result, body.dimensions))
 
@@ -551,3 +546,4 @@ def add_routes(app: web.Application) -> None:
     app.router.add_post("/api/embed", embed)
     app.router.add_post("/api/embeddings", embeddings)
     ollama_models.add_routes(app)
+    ollama_pull.add_routes(app)

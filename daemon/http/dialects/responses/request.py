@@ -525,6 +525,7 @@ async def chat_input_tokens(request: web.Request) -> web.Response:
 
 
 def add_routes(app: web.Application) -> None:
-    app.router.add_post("/v1/responses", responses)
-    app.router.add_post("/v1/responses/input_tokens", responses_input_tokens)
-    app.router.add_post("/v1/chat/completions/input_tokens", chat_input_tokens)
+    for prefix in ("/v1", ""):  # llama-server serves each of these unversioned too
+        app.router.add_post(f"{prefix}/responses", responses)
+        app.router.add_post(f"{prefix}/responses/input_tokens", responses_input_tokens)
+        app.router.add_post(f"{prefix}/chat/completions/input_tokens", chat_input_tokens)

@@ -8,6 +8,12 @@
   const MAX_EVENTS = 24;
   const MAX_ERRORS = 12;
   const STATES = ["starting", "loading", "ready", "unloading", "sleeping", "waking", "failed", "stopping"];
+  // Where a worker holds slots; in every other state /props lists them "on paper" (idle,
+  // empty), which read as a live worker's: the page shows none then.
+  const SLOTS_HELD = ["ready", "unloading"];
+  const ASLEEP = ["sleeping", "light_sleep", "drowsy", "dozing"];
+  const SLEEP_REASONS = { idle: "idle", admin: "asked to (POST /sleep)", evict: "made room for another model",
+    shutdown: "shutting down" };
   const events = new Map();   // "model|kind|at" -> event, every wake and sleep seen since the page opened
   const errors = new Map();   // text -> {first, last, text}
 
@@ -105,13 +111,35 @@
       : (p.sleep_idle_seconds < 0 ? "never sleeps" : "not armed"));
     fact("context", (p.n_ctx ?? "–") + " tokens, " + (p.total_slots ?? "–") + " slots");
     if (p.failure) fact("failure", p.failure);
+    if (ASLEEP.includes(p.state)) fact("asleep", whyAsleep(p));
     card.append(facts);
     card.append(slotsTable(p), cacheBlock(p.kv_cache, p.slots));
     return card;
   }
 
+  // Why the model sleeps and since when: its last sleep (deep or light tier: the worker exited),
+  // or its last doze (drowsy: the worker stays with its contexts freed; a doze records no reason).
+  function whyAsleep(p) {
+    const dozed = p.state === "drowsy" || p.state === "dozing";
+    const record = dozed ? p.last_doze : p.last_sleep;
+    if (!record || typeof record.at !== "number") return "not loaded yet";
+    let why = "dozed: contexts freed, weights kept";
+    if (!dozed) {
+      const reason = record.reason;
+      why = Object.prototype.hasOwnProperty.call(SLEEP_REASONS, reason) ? SLEEP_REASONS[reason] : String(reason);
+      if (reason === "idle" && typeof p.idle_seconds === "number" && p.idle_seconds >= 0) why += " for " + secs(p.idle_seconds);
+    }
+    const tier = p.tier ? ", " + p.tier + " tier" : "";
+    return why + tier + ", at " + clock(record.at) + " (" + secs(Math.max(0, Date.now() / 1000 - record.at)) + " ago)";
+  }
+
   function slotsTable(p) {
     const wrap = el("div", "slots", el("h4", null, "Slots"));
+    if (!SLOTS_HELD.includes(p.state)) {
+      wrap.append(el("p", "muted no-slots", (ASLEEP.includes(p.state) ? "asleep" : p.state) + ": no worker holds slots (" +
+        (p.total_slots ?? "–") + " when awake)"));
+      return wrap;
+    }
     const table = el("table");
     table.append(el("thead", null, el("tr", null, el("th", null, "id"), el("th", null, "state"),
       el("th", null, "request"), el("th", null, "cached tokens"))));
