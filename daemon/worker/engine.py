@@ -54,7 +54,10 @@ class Engine:
         self.ctx = runtime.ctx
         self.vocab = runtime.vocab
         self.n_vocab = llama.llama_vocab_n_tokens(self.vocab)
-        self.n_batch = runtime.spec.batch_size
+        # llama.cpp caps a context's batch at its requested n_ctx (a 128-token context takes 128 at a time)
+        # while the slot it gives is padded to 256: a prompt between the two, read in batch_size steps,
+        # would abort the worker (GGML_ASSERT n_tokens_all <= n_batch). Read in steps the context takes.
+        self.n_batch = min(runtime.spec.batch_size, llama.llama_n_batch(self.ctx))
         self.n_ctx_slot = llama.llama_n_ctx_seq(self.ctx)
         self.memory = llama.llama_get_memory(self.ctx)
         self.slots = [Slot(i) for i in range(runtime.spec.parallel)]
