@@ -201,8 +201,8 @@ class Settings(BaseSettings):
                                   description="largest image (width x height, read from its header) in a chat request")
     max_images_per_request: int = Field(8, ge=0, le=1024, description="most images in one chat request; 0 refuses images")
     raw_grammar: bool = Field(
-        False, description="accept llama-server's raw `grammar` (GBNF) field. Off: a GBNF grammar can make llama.cpp's "
-                           "matcher track combinatorially many parse stacks and stall every slot; json_schema and "
+        False, description="accept llama-server's raw `grammar` (GBNF) field, read by llguidance's GBNF reader. Off by "
+                           "default: a hand-written grammar is a program the worker runs per token; json_schema and "
                            "response_format are always on. Turn on for trusted clients only")
 
     # -- several models (config/models.py) --
