@@ -45,6 +45,7 @@ import os
 import stat as stat_mode
 import struct
 import time
+import uuid
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -243,10 +244,12 @@ def write_file(directory: Path, header: KvHeader, state: bytes, name: str | None
     sealed = msgspec.structs.replace(header, checksum=seal(header, state))  # FORMAT_VERSION's seal
     body = msgspec.msgpack.encode(sealed)
     name = name or tokens_name(header.tokens, header.scope)
-    temporary = f".{name}.{os.getpid()}.tmp"
+    # A name no other writer can have: replicas sharing a directory (shared_cache_dir) may run on two hosts
+    # with the same pid, and two threads of one process may write the same entry.
+    temporary = f".{name}.{uuid.uuid4().hex}.tmp"
     with _directory(directory, create=True) as dir_fd:
         try:
-            fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
+            fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
                          dir_fd=dir_fd)
             with os.fdopen(fd, "wb") as f:
                 f.write(PREFIX.pack(MAGIC, FORMAT_VERSION, len(body)))

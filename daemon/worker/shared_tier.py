@@ -48,11 +48,9 @@ import json
 import os
 import threading
 import time
-import uuid
 from pathlib import Path
 from typing import Any
 
-import msgspec
 import numpy as np
 
 from daemon.model import kv_files as kv
@@ -248,7 +246,7 @@ class SharedPrompts:
             return 0
         header = KvHeader(FORMAT_VERSION, self.model, self.index.layout, tokens, len(state), "", scope=scope)
         try:
-            path = write_unique(self.directory, header, memoryview(state))
+            path = kv.write_file(self.directory, header, memoryview(state))
             _, offset = kv.read_header(path)
             with self.lock:
                 self.index.add(path, tokens, header.state_bytes, offset, scope=scope,
@@ -271,27 +269,3 @@ class SharedPrompts:
         with self.lock:
             return {"entries": len(self.index.entries), "bytes": self.index.disk_bytes,
                     "reachable": int(self.reachable), **self.counts}
-
-
-def write_unique(directory: Path, header: KvHeader, state) -> Path:
-    """kv_files.write_file with a temporary name no other writer can have (replicas on two hosts may share a
-    pid): temporary file, fsync, rename over the entry's name, fsync of the directory."""
-    sealed = msgspec.structs.replace(header, checksum=kv.seal(header, state))
-    body = msgspec.msgpack.encode(sealed)
-    name = kv.tokens_name(header.tokens, header.scope)
-    temporary = f".{name}.{uuid.uuid4().hex}.tmp"
-    with kv._directory(directory, create=True) as dir_fd:
-        try:
-            fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
-                         dir_fd=dir_fd)
-            with os.fdopen(fd, "wb") as f:
-                f.write(kv.PREFIX.pack(kv.MAGIC, FORMAT_VERSION, len(body)))
-                f.write(body)
-                f.write(state)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(temporary, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
-        finally:
-            kv._unlink(dir_fd, temporary)
-        os.fsync(dir_fd)
-    return directory / name
