@@ -29,7 +29,7 @@ def test_serve_takes_a_model_by_name_from_the_hub_then_from_the_cache(tmp_path):
                           log_path=tmp_path / "daemon.log")
         try:
             d.wait_state("ready", timeout=300)
-            answer = d.http.post("/completion", json={"prompt": "the dormouse", "n_predict": 4})
+            answer = d.http.post("/completion", json={"prompt": "the dormouse", "n_predict": 4, "ignore_eos": True})
             assert answer.status_code == 200, answer.text
             assert answer.json()["tokens_predicted"] >= 1
             # the id is the file's name: the daemon serves the cache's snapshot path, not the blob's
@@ -48,7 +48,7 @@ def test_serve_takes_a_model_by_name_from_the_hub_then_from_the_cache(tmp_path):
                       log_path=tmp_path / "daemon-offline.log")
     try:
         d.wait_state("ready", timeout=300)
-        answer = d.http.post("/completion", json={"prompt": "the", "n_predict": 2})
+        answer = d.http.post("/completion", json={"prompt": "the", "n_predict": 2, "ignore_eos": True})
         assert answer.status_code == 200 and answer.json()["tokens_predicted"] >= 1
     finally:
         assert d.stop() == 0

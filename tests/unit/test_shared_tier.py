@@ -77,11 +77,11 @@ def test_two_replicas_write_the_same_entry_at_once(tmp_path, model):
     base.mkdir()
     writers = [replica(base, model) for _ in range(8)]
     start = threading.Barrier(len(writers))
-    written = []
+    written = [-1] * len(writers)
 
     def write(r: SharedPrompts, fill: int) -> None:
         start.wait()
-        written.append(r.write(tokens(500), state(200_000, fill)))
+        written[fill] = r.write(tokens(500), state(200_000, fill))
 
     threads = [threading.Thread(target=write, args=(r, i)) for i, r in enumerate(writers)]
     for t in threads:
@@ -91,7 +91,10 @@ def test_two_replicas_write_the_same_entry_at_once(tmp_path, model):
     names = os.listdir(writers[0].directory)
     assert [n for n in names if n.endswith(".tmp")] == []  # no temporary file left behind
     assert len([n for n in names if n.endswith(kv.SUFFIX)]) == 1
-    assert all(w > 0 for w in written) and all(r.counts["write_errors"] == 0 for r in writers)
+    # Each writer wrote, or found the entry already there (another's rename landed before its check):
+    # a busy machine orders the threads either way, and both are right.
+    assert -1 not in written and all(r.counts["write_errors"] == 0 for r in writers)
+    assert all(w > 0 or r.holds(tokens(500), "") for w, r in zip(written, writers))
     reader = replica(base, model)
     entry, _ = reader.best(tokens(500) + [1])
     got, reason = reader.read(entry)
