@@ -268,7 +268,7 @@ class Settings(BaseSettings):
     # -- operations --
     log_format: Literal["auto", "console", "json"] = Field(
         "auto", description="log lines as JSON (one object a line) or for people (console); auto: console on a terminal "
-        "or journald (there with journald's <N> priority prefix), JSON otherwise; json: never prefixed")
+        "or journald, JSON otherwise; to journald either carries its <N> priority prefix, which journald strips")
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="the least severe log level written")
     shutdown_timeout: float = Field(30, ge=0, description="how long SIGTERM lets in-flight requests finish; with teardown_timeout it must fit systemd's TimeoutStopSec")
     state_dir: Path | None = Field(None, description="the daemon's own files: models by name (models/), saved prompt "

@@ -7,8 +7,11 @@ syslog priority "<N>" that journald reads as the line's level
 JSON object per line and nothing else, so jq, Fluent Bit and Vector parse each
 line whole; the level is the object's "level".
 
-log_format = "json" is JSON everywhere, journald included: a prefix would make
-the lines unparseable to whatever reads them back (`journalctl -o cat | jq`).
+log_format = "json" under journald: the same JSON lines behind the "<N>"
+prefix. journald reads the prefix as the entry's PRIORITY and strips it before
+storing (SyslogLevelPrefix=yes, systemd's default), so `journalctl -o cat | jq`
+reads whole JSON and `journalctl -p warning` still filters. Anywhere else JSON
+lines carry nothing in front.
 """
 
 from __future__ import annotations
@@ -60,10 +63,11 @@ def configure_logging(log_format: str = "auto", level: str = "info", stream=None
         structlog.processors.TimeStamper(fmt="iso", utc=True),
     ]
     if log_format == "json":
-        processors += [structlog.processors.format_exc_info, structlog.processors.JSONRenderer()]
+        renderer = structlog.processors.JSONRenderer()
+        processors.append(structlog.processors.format_exc_info)
     else:
-        console = structlog.dev.ConsoleRenderer(colors=tty and not journald)
-        processors += [_JournaldPrefix(console) if journald else console]
+        renderer = structlog.dev.ConsoleRenderer(colors=tty and not journald)
+    processors.append(_JournaldPrefix(renderer) if journald else renderer)
     structlog.configure(
         processors=processors,
         wrapper_class=structlog.make_filtering_bound_logger(getattr(logging, level.upper())),

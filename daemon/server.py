@@ -27,6 +27,7 @@ from daemon.fleet.plans import ModelPlan, footprint_store, memory_budget
 from daemon.http.agent import snapshot_of, start_agent
 from daemon.http.app import build_app
 from daemon.http.keys import LISTENING
+from daemon.model.chat_template_check import warn_untemplated
 from daemon.logs import configure_logging, get_logger
 from daemon.metrics import MetricFamilies, Metrics
 from daemon.model.controller import CANCEL_GRACE_SECONDS, Controller
@@ -185,8 +186,14 @@ async def serve(settings: Settings, plans: list[ModelPlan], reload_settings: Cal
         await runner.cleanup()
         return 2
     await _note_listening(app, bound)
+    if sock is not None and f"{settings.host}:{settings.port}" not in {f"{a[0]}:{a[1]}" for a in bound}:
+        # systemd bound the socket (dormouse.socket's ListenStream); host and port were not used
+        log.warning("http.address_setting_unused", configured=f"{settings.host}:{settings.port}",
+                    serving=[f"{a[0]}:{a[1]}" for a in bound],
+                    fix="socket activation: set the address in dormouse.socket's ListenStream (systemctl edit dormouse.socket)")
     log.info("http.listening", addresses=[f"{a[0]}:{a[1]}" for a in bound], socket_activated=sock is not None,
              models={p.id: p.model_path for p in plans}, sleep_idle_seconds=settings.sleep_idle_seconds)
+    await warn_untemplated(plans, log)
     agent = None
     if settings.agent_port:
         try:

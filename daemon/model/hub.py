@@ -2,8 +2,8 @@
 
 The downloads go through huggingface_hub: its cache layout, kept under
 state_dir/models unless HF_HUB_CACHE or HF_HOME names a cache (hub_cache_dir),
-downloads with size checks (huggingface_hub 2.x restarts a cut download, into a
-temporary file, rather than resuming it), HF_TOKEN for private and gated repos,
+downloads with size checks (a dropped link is resumed with a Range request within
+the pull; a killed pull starts the file over, in a temporary file of its own), HF_TOKEN for private and gated repos,
 HF_ENDPOINT for a mirror, HF_HUB_OFFLINE for the cache alone. Which file a
 repository's listing yields is decided as llama-server's `-hf` decides it
 (vendor/llama.cpp common/download.cpp: find_best_model, find_best_sibling),

@@ -140,6 +140,20 @@ def test_socket_activation_serves_on_inherited_socket(tmp_path, bundled_model):
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(30) == 0
         log.close()
+    events = [json.loads(line) for line in (tmp_path / "d.log").read_text().splitlines() if line.startswith("{")]
+    (listening,) = [e for e in events if e["event"] == "http.listening"]
+    assert listening["socket_activated"] is True and listening["addresses"] == [f"127.0.0.1:{port}"]
+    # --port 1 was not used, and the log says so and where the address is set instead
+    (unused,) = [e for e in events if e["event"] == "http.address_setting_unused"]
+    assert unused["configured"].endswith(":1") and "ListenStream" in unused["fix"]
+
+
+def test_the_socket_unit_says_its_address_is_its_own():
+    unit = (ROOT / "systemd" / "dormouse.socket").read_text()
+    comment = " ".join(line.lstrip("# ") for line in unit.splitlines() if line.startswith("#"))
+    assert "ListenStream=127.0.0.1:8080" in unit
+    assert "not read from dormouse.toml" in comment and "systemctl edit dormouse.socket" in comment
+    assert "127.0.0.1:8080" in (ROOT / "systemd" / "README.md").read_text()
 
 
 def test_units_pass_systemd_analyze_verify(tmp_path):

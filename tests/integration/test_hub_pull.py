@@ -64,6 +64,26 @@ def test_pull_without_tag_takes_q4_k_m(hub, real_gguf, tmp_path):
     assert pulled.mmproj is None and hub.downloads() == [f"/{REPO}/resolve/main/tiny-Q4_K_M.gguf"]
 
 
+def test_a_dropped_download_resumes_where_it_stopped(hub, real_gguf, tmp_path, monkeypatch):
+    """The link drops midway through the file: huggingface_hub asks for the rest only (a Range
+    request from the last whole piece it wrote) and the file is whole, byte for byte. (It resumes
+    within a pull; a pull that was killed starts its file over: huggingface_hub 1.x+ writes each
+    download to a file of its own, so that two processes never append to one.)"""
+    from huggingface_hub import constants
+
+    piece = 64 * 1024  # huggingface_hub writes in pieces of 10 MB: smaller ones so the tiny file has several
+    monkeypatch.setattr(constants, "DOWNLOAD_CHUNK_SIZE", piece)
+    whole = real_gguf["q4"]
+    half = len(whole) // 2
+    hub.add("test-org/flaky-GGUF", {"f-Q4_K_M.gguf": whole}, cut_at=half)
+    pulled = pull("test-org/flaky-GGUF", endpoint=hub.url, cache_dir=tmp_path, with_mmproj=False)
+    assert pulled.model.read_bytes() == whole
+    assert hub.downloads() == ["/test-org/flaky-GGUF/resolve/main/f-Q4_K_M.gguf"] * 2
+    ((path, start),) = hub.resumed_from
+    assert path == "/test-org/flaky-GGUF/resolve/main/f-Q4_K_M.gguf" and half - piece < start <= half
+    assert not list(tmp_path.rglob("*.incomplete"))
+
+
 def test_an_unmatched_tag_lists_the_quants_and_downloads_nothing(hub, tmp_path):
     with pytest.raises(HubError, match=r"no GGUF file for the quant tag 'Q5_K_S'; available: Q4_K_M, Q8_0"):
         pull(f"{REPO}:Q5_K_S", endpoint=hub.url, cache_dir=tmp_path)

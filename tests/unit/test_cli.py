@@ -288,6 +288,22 @@ def test_check_config_names_the_file_and_variables_it_read(capsys, tmp_path, mon
     assert "DORMOUSE_SLEEP_IDLE is not a setting" in captured.err
 
 
+def test_check_config_names_the_default_path_it_read_or_where_it_looked(capsys, tmp_path, monkeypatch):
+    monkeypatch.delenv("DORMOUSE_CONFIG", raising=False)
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))  # the user's config directory, first of the defaults
+    assert main(["check-config"]) == 0
+    read = json.loads(capsys.readouterr().out)["read"]
+    assert read["config_file"] is None and read["config_file_from"].startswith("none found (looked for ")
+    assert str(tmp_path / "dormouse" / "dormouse.toml") in read["config_file_from"]
+    assert "/etc/dormouse/dormouse.toml" in read["config_file_from"]
+    (tmp_path / "dormouse").mkdir()
+    (tmp_path / "dormouse" / "dormouse.toml").write_text("sleep_idle_seconds = 7\n")
+    assert main(["check-config"]) == 0
+    shown = json.loads(capsys.readouterr().out)
+    assert shown["read"]["config_file"] == str(tmp_path / "dormouse" / "dormouse.toml")
+    assert shown["read"]["config_file_from"] == "default path" and shown["settings"]["sleep_idle_seconds"] == 7
+
+
 def test_check_config_refuses_a_truncated_gguf_in_one_line(capsys, tmp_path):
     from tests.fixtures.tiny_model import write_tiny_model
 

@@ -37,6 +37,8 @@ def test_serve_installs_the_runtime_only_and_says_the_build_is_long(scratch):
     assert "compiles llama.cpp" in plan and "few minutes" in plan
     assert plan.index("compiles llama.cpp") < plan.index("pip install --quiet -e .")  # said before it starts
     assert _make(scratch, "-n", "venv").stdout.count("[test]") == 0  # systemd/README.md's `make venv`
+    install = (ROOT / "systemd" / "README.md").read_text()
+    assert "sudo make venv " in install and "make test" not in install and "[test]" not in install
 
 
 def test_test_adds_the_test_extra_on_top_of_the_runtime(scratch):

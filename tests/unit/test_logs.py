@@ -1,5 +1,6 @@
 """Log lines: JSON is whole JSON (jq, Docker, Fluent Bit, Vector read each line); the
-journald priority prefix "<N>" goes only on readable lines written to journald's stream."""
+journald priority prefix "<N>" goes only on lines written to journald's own stream, which
+strips it before storing (so the journal holds whole JSON at the right priority)."""
 
 import io
 import json
@@ -13,7 +14,7 @@ def _journal_stream_of(f) -> str:
     return f"{info.st_dev}:{info.st_ino}"
 
 
-def test_json_lines_are_pure_json_even_under_journald(tmp_path, monkeypatch):
+def test_json_lines_to_journald_carry_the_priority_and_parse_after_it(tmp_path, monkeypatch):
     with open(tmp_path / "log", "w+") as stream:
         monkeypatch.setenv("JOURNAL_STREAM", _journal_stream_of(stream))  # as if journald owned the stream
         configure_logging("json", "debug", stream=stream)
@@ -24,10 +25,21 @@ def test_json_lines_are_pure_json_even_under_journald(tmp_path, monkeypatch):
         log.debug("d")
         stream.flush()
         lines = (tmp_path / "log").read_text().splitlines()
-    events = [json.loads(line) for line in lines]  # every line whole: no "<6>" in front
+    # journald takes "<N>" as the entry's priority and stores what follows: whole JSON
+    assert [line[:4] for line in lines] == ["<6>{", "<4>{", "<3>{", "<7>{"]
+    events = [json.loads(line[3:]) for line in lines]
     assert [(e["event"], e["level"]) for e in events] == [("state", "info"), ("state_dir.read_only", "warning"),
                                                           ("load.failed", "error"), ("d", "debug")]
-    assert all(line.startswith("{") for line in lines)
+
+
+def test_json_lines_elsewhere_are_pure_json(tmp_path, monkeypatch):
+    with open(tmp_path / "log", "w+") as stream, open(tmp_path / "journal", "w") as journal:
+        monkeypatch.setenv("JOURNAL_STREAM", _journal_stream_of(journal))  # journald owns another stream
+        configure_logging("json", "info", stream=stream)
+        get_logger().warning("state_dir.read_only", error="x")
+        stream.flush()
+        (line,) = (tmp_path / "log").read_text().splitlines()
+    assert line.startswith("{") and json.loads(line)["level"] == "warning"
 
 
 def test_auto_is_json_on_a_pipe_or_file_without_a_prefix(tmp_path, monkeypatch):
