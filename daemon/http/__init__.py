@@ -7,9 +7,10 @@
     core/
         knows no dialect: a body becomes the internal job (job.py: validated and
         bounded once), the job runs (run.py), and what the worker sends back
-        comes out of `job.next()` as its items: Tokens (text, logprobs, whether
-        thinking is open), then Done (the end, its reason, the counts) or a
-        JobFailure; failure_error turns a failed end into the ApiError it is.
+        (Tokens, then Done or a JobFailure) is read per choice into typed
+        events (events.py): Start, ReasoningDelta, TextDelta, ToolCallDelta
+        (thinking, tool calls and held-back text read out as it streams), End
+        (its reason, the calls, the counts) or Failure.
     dialects/<name>/
         one package per dialect, each of the same two halves: its request to the
         job, and the job's events to its answer (one body, or a stream).

@@ -64,6 +64,26 @@ def test_reload_names_what_needs_a_restart_and_a_load_is_logged_at_both_ends(tmp
         d.stop()
 
 
+def test_a_long_load_says_it_is_still_reading(tmp_path, bundled_model):
+    """Between load.begin and wake.done of a load longer than load_progress.FIRST_AFTER, a
+    load.progress line says the seconds so far, the prediction and the bytes left to read."""
+    from daemon.model.load_progress import FIRST_AFTER
+
+    d = DaemonProcess("--model", bundled_model, "--log-level", "info", "--sleep-idle-seconds", "-1",
+                      env={**FAKE, "FAKE_LOAD_SECONDS": str(FIRST_AFTER + 1.5)}, log_path=tmp_path / "d.log")
+    try:
+        d.wait_state("ready", timeout=60)
+        (done,) = wait_event(d, "wake.done")
+        logged = events(d)
+        begin = next(e for e in logged if e["event"] == "load.begin")
+        progress = [e for e in logged if e["event"] == "load.progress"]
+        assert progress, "no load.progress line during a load of more than FIRST_AFTER seconds"
+        assert logged.index(begin) < logged.index(progress[0]) and logged.index(progress[-1]) < logged.index(done)
+        assert progress[0]["seconds"] >= FIRST_AFTER - 0.5 and progress[0]["bytes_from_disk_left"] >= 0
+    finally:
+        d.stop()
+
+
 def _in_a_read_only_mount(command: str, directory: Path) -> subprocess.CompletedProcess:
     """command under `unshare`: a private mount namespace where `directory` is a read-only tmpfs."""
     if not shutil.which("unshare"):

@@ -19,6 +19,7 @@ headers went out is an `error` event in Anthropic's error shape.
 from __future__ import annotations
 
 import secrets
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import msgspec
@@ -26,12 +27,13 @@ from aiohttp import web
 
 from daemon import protocol as p
 from daemon.fleet.owner import FleetModel
+from daemon.http.core.events import (ChoiceReader, End, Event, Failure, ReasoningDelta, Start, TextDelta,
+                                     ToolCallDelta, Whole, read_events, whole_answer)
 from daemon.http.core.job import ToolMode
 from daemon.http.core.run import failure_error, first_item, is_failure, open_event_stream, tracked
 from daemon.model.jobs import Job
-from daemon.tools.forced_stream import ForcedCallStream
-from daemon.tools.parse import ParsedCall, ToolCallStream
-from daemon.tools.reasoning import ReasoningMode, ReasoningStream
+from daemon.tools.parse import ParsedCall
+from daemon.tools.reasoning import ReasoningMode
 
 _encode = msgspec.json.encode
 
@@ -90,50 +92,77 @@ async def answer(request: web.Request, model: FleetModel, job: Job, shape: Messa
         item = await first_item(request, model, job)
         if is_failure(item):
             raise failure_error(item)
-        if stream:
-            return await _stream(request, job, shape, item, tools)
-        parts, reasoning_open = [], item.reasoning_open if isinstance(item, p.Tokens) else False
-        while isinstance(item, p.Tokens):
-            parts.append(item.text)
-            item = await job.next(None)
-        if is_failure(item):
-            raise failure_error(item)
-        thinking, text = ReasoningMode("auto", reasoning_open).split("".join(parts))
-        reason, content, calls = item.finish_reason, text, []
-        if tools is not None:
-            content, calls, reason = tools.calls(text, reason)
-        blocks: list[dict] = []
-        if thinking:
-            blocks.append({"type": "thinking", "thinking": thinking, "signature": ""})
-        if content:
-            blocks.append({"type": "text", "text": content})
-        blocks += [shape.tool_use(call) for call in calls]
-        stop_reason, stop_sequence = shape.stop(reason, item, calls)
-        return web.json_response(shape.message(blocks, stop_reason, stop_sequence, shape.usage(item)))
+        if not stream:
+            whole = await whole_answer(job, item)
+            if whole.failure is not None:
+                raise whole.failure.error
+            return web.json_response(whole_body(whole, shape, tools))
+        response = await open_event_stream(request, job)
+        blocks = BlockStream(response.write, shape)
+        # Thinking read apart as llama-server's reasoning_format auto reads it; streamed calls get tool_use ids.
+        async for event in read_events(job, item, [ChoiceReader(0, tools, reasoning=True, call_id=tool_use_id)]):
+            await blocks.on(event)
+        await response.write_eof()
+        return response
 
 
-class _Blocks:
-    """The content blocks while they stream: one open at a time, numbered in
-    order. Thinking goes out as thinking_delta, the answer as text_delta (held
-    back while it may be a tool call), a forced call's arguments as
-    input_json_delta as they are generated; calls read from the whole answer
-    go out whole at the end."""
+def whole_body(whole: Whole, shape: MessageShape, tools: ToolMode | None) -> dict:
+    """The message: a thinking block when the answer opened with one, its text, a tool_use block per call."""
+    choice = whole.choices[0]
+    thinking, text = ReasoningMode("auto", choice.reasoning_open).split(choice.text)
+    reason, content, calls = choice.reason, text, []
+    if tools is not None:
+        content, calls, reason = tools.calls(text, reason)
+    blocks: list[dict] = []
+    if thinking:
+        blocks.append({"type": "thinking", "thinking": thinking, "signature": ""})
+    if content:
+        blocks.append({"type": "text", "text": content})
+    blocks += [shape.tool_use(call) for call in calls]
+    stop_reason, stop_sequence = shape.stop(reason, whole.done, calls)
+    return shape.message(blocks, stop_reason, stop_sequence, shape.usage(whole.done))
 
-    def __init__(self, response: web.StreamResponse, shape: MessageShape, tools: ToolMode | None) -> None:
-        self.response = response
+
+class BlockStream:
+    """The events as Anthropic streams them: message_start (its usage from the
+    first step), then content blocks, one open at a time, numbered in order:
+    thinking as thinking_delta, the answer as text_delta, a forced call's
+    arguments as input_json_delta as they are generated, calls read from the
+    whole answer whole at the end; then message_delta and message_stop, or an
+    `error` event on a Failure."""
+
+    def __init__(self, write: Callable[[bytes], Awaitable], shape: MessageShape) -> None:
+        self.write = write
         self.shape = shape
-        self.tools = tools
+        self.started = False  # message_start sent
         self.count = 0  # blocks started
         self.open: str | None = None  # the type of the block being written
-        self.text: list[str] = []  # the answer after its thinking, read whole at the end for its calls
-        self.reasoning: ReasoningStream | None = None  # made at the first Tokens
-        forced = tools is not None and tools.forced
-        self.scan = ToolCallStream(tools.names) if tools is not None and not forced else None
-        self.forced = ForcedCallStream(tools.names, tool_use_id, most=None if tools.parallel else 1) if forced else None
 
     async def send(self, kind: str, **fields: Any) -> None:
         body = {"type": kind, **fields}
-        await self.response.write(b"event: " + kind.encode() + b"\ndata: " + _encode(body) + b"\n\n")
+        await self.write(b"event: " + kind.encode() + b"\ndata: " + _encode(body) + b"\n\n")
+
+    async def on(self, event: Event) -> None:
+        if not self.started:
+            self.started = True
+            first = event if isinstance(event, Start) else Start(0)
+            usage = self.shape.usage(None, first.prompt_tokens, first.cached_tokens)
+            await self.send("message_start", message=self.shape.message([], None, None, usage))
+        if isinstance(event, ReasoningDelta):
+            await self.thinking(event.text)
+        elif isinstance(event, TextDelta):
+            await self.say(event.text)
+        elif isinstance(event, ToolCallDelta):
+            for delta in event.deltas:
+                await self._forced_delta(delta)
+        elif isinstance(event, End):
+            stop_reason, stop_sequence = await self.finish(event)
+            await self.send("message_delta", delta={"stop_reason": stop_reason, "stop_sequence": stop_sequence},
+                            usage=self.shape.usage(event.done))
+            await self.send("message_stop")
+        elif isinstance(event, Failure):
+            await self.close()
+            await self.send("error", error=failure_error(event.item).body("anthropic")["error"])
 
     async def _start(self, block: dict) -> None:
         await self.close()
@@ -160,24 +189,6 @@ class _Blocks:
         if text:
             await self._delta("text", {"type": "text", "text": ""}, {"type": "text_delta", "text": text})
 
-    async def feed(self, tokens: p.Tokens) -> None:
-        if self.reasoning is None:
-            self.reasoning = ReasoningStream(tokens.reasoning_open)
-        thinking, text = self.reasoning.feed(tokens.text)
-        await self.thinking(thinking)
-        await self._answer(text)
-
-    async def _answer(self, text: str) -> None:
-        if not text:
-            return
-        self.text.append(text)
-        if self.forced is not None:
-            for deltas in self.forced.feed(text):
-                for delta in deltas:
-                    await self._forced_delta(delta)
-            return
-        await self.say(self.scan.feed(text) if self.scan is not None else text)
-
     async def _forced_delta(self, delta: dict) -> None:
         if "id" in delta:  # a call's name is known and its arguments begin
             await self._start({"type": "tool_use", "id": delta["id"], "name": delta["function"]["name"], "input": {}})
@@ -185,44 +196,12 @@ class _Blocks:
         await self.send("content_block_delta", index=self.count - 1,
                         delta={"type": "input_json_delta", "partial_json": delta["function"]["arguments"]})
 
-    async def finish(self, reason: str, done: p.Done) -> tuple[str, str | None]:
+    async def finish(self, end: End) -> tuple[str, str | None]:
         """Close every block; (stop_reason, stop_sequence)."""
-        if self.reasoning is not None:
-            thinking, text = self.reasoning.finish()
-            await self.thinking(thinking)
-            await self._answer(text)
-        calls: list[ParsedCall] = []
-        if self.tools is not None:
-            content, calls, reason = self.tools.calls("".join(self.text), reason)
-            if self.scan is not None:
-                rest, _ = self.scan.finish()  # what it held back; the calls are read from the whole text
-                await self.say(rest if content is not None else "")
-        streamed = self.forced.announced if self.forced is not None else 0
-        for call in calls[streamed:]:  # read from the whole answer: each sent whole
+        await self.say(end.rest)
+        for call in end.calls[end.announced:]:  # read from the whole answer: each sent whole
             await self._start({"type": "tool_use", "id": tool_use_id(), "name": call.name, "input": {}})
             await self.send("content_block_delta", index=self.count - 1,
                             delta={"type": "input_json_delta", "partial_json": call.arguments})
         await self.close()
-        return self.shape.stop(reason, done, calls)
-
-
-async def _stream(request: web.Request, job: Job, shape: MessageShape, item, tools: ToolMode | None
-                  ) -> web.StreamResponse:
-    response = await open_event_stream(request, job)
-    blocks = _Blocks(response, shape, tools)
-    first = item if isinstance(item, p.Tokens) else None
-    usage = shape.usage(None, first.n_prompt_tokens if first else 0, first.n_cached_tokens if first else 0)
-    await blocks.send("message_start", message=shape.message([], None, None, usage))
-    while isinstance(item, p.Tokens):
-        await blocks.feed(item)
-        item = await job.next(None)
-    if is_failure(item):
-        await blocks.close()
-        await blocks.send("error", error=failure_error(item).body("anthropic")["error"])
-    else:
-        stop_reason, stop_sequence = await blocks.finish(item.finish_reason, item)
-        await blocks.send("message_delta", delta={"stop_reason": stop_reason, "stop_sequence": stop_sequence},
-                          usage=shape.usage(item))
-        await blocks.send("message_stop")
-    await response.write_eof()
-    return response
+        return self.shape.stop(end.reason, end.done, list(end.calls))

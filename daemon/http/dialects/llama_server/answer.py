@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 import msgspec
 from aiohttp import web
@@ -15,10 +15,11 @@ from aiohttp import web
 from daemon import protocol as p
 from daemon.fleet.owner import FleetModel
 from daemon.http.errors import ApiError
+from daemon.http.core.events import (ChoiceReader, End, Event, Failure, TextDelta, Whole, piece_text, read_events,
+                                     timings, whole_answer)
 from daemon.http.core.run import failure_error, first_item, is_failure, open_event_stream, tracked
 from daemon.http.core.schemas import SamplingFields
 from daemon.http.dialects.llama_server.schemas import NativeCompletionRequest
-from daemon.http.dialects.openai.shapes import piece_text, timings
 from daemon.model.jobs import Job
 
 
@@ -68,7 +69,7 @@ class ContextExceeded(ApiError):
                           "n_prompt_tokens": self.n_prompt_tokens, "n_ctx": self.n_ctx}}
 
 
-# The worker's overflow messages (engine.py): "prompt has N tokens; ..." or, when it
+# The worker's overflow messages (slot_assignment.py, prompt_text.py): "prompt has N tokens; ..." or, when it
 # stopped counting early (a text far longer than the context), "has more than N tokens".
 _OVERFLOW = re.compile(r"has (more than )?(\d+) tokens; the context of a slot holds (\d+)")
 
@@ -98,20 +99,28 @@ async def native_answer(request: web.Request, model: FleetModel, job: Job, body,
         if is_failure(item):
             raise _native_error(item, body, model)
         if body.stream:
-            return await _native_stream(request, job, model.id, item, body, end)
-        parts, probs = [], []
-        while isinstance(item, p.Tokens):
-            parts.append(item.text)
-            probs.extend(item.logprobs)
-            item = await job.next(None)
-        if is_failure(item):
-            raise _native_error(item, body, model)
-        content = "".join(parts)
-        answer = {"index": 0, "content": content, "tokens": [e.token for e in probs] if body.return_tokens else [],
-                  **_native_end(item, model.id), **end, "has_new_line": "\n" in content}
-        if body.n_probs:
-            answer["completion_probabilities"] = _native_probs(probs, post_sampling)
+            response = await open_event_stream(request, job)
+            writer = NativeChunks(response.write, model.id, body, end)
+            async for event in read_events(job, item, [ChoiceReader()]):
+                await writer.on(event)
+            await response.write_eof()
+            return response
+        whole = await whole_answer(job, item)
+        if whole.failure is not None:
+            raise _native_error(whole.failure.item, body, model)
+        answer = native_body(whole, model.id, body, end)
         return web.json_response(pick(answer) if pick is not None else answer)
+
+
+def native_body(whole: Whole, model: str, body, end: dict) -> dict:
+    """/completion's whole answer; end: its generation_settings."""
+    choice = whole.choices[0]
+    content, probs = choice.text, choice.logprobs
+    answer = {"index": 0, "content": content, "tokens": [e.token for e in probs] if body.return_tokens else [],
+              **_native_end(whole.done, model), **end, "has_new_line": "\n" in content}
+    if body.n_probs:
+        answer["completion_probabilities"] = _native_probs(probs, end["generation_settings"]["post_sampling_probs"])
+    return answer
 
 
 def _native_end(done: p.Done, model: str) -> dict:
@@ -134,24 +143,30 @@ def _native_probs(entries: list[p.TokenLogprob], post_sampling: bool = False) ->
                               for t in e.top]} for e in entries]
 
 
-async def _native_stream(request: web.Request, job: Job, model: str, item, body: NativeCompletionRequest,
-                         end: dict) -> web.StreamResponse:
-    """As llama-server streams /completion: `data: {...}` lines, the last with stop: true (no [DONE])."""
-    response = await open_event_stream(request, job)
-    encode = msgspec.json.encode
-    post_sampling = end["generation_settings"]["post_sampling_probs"]
-    while isinstance(item, p.Tokens):
-        if item.text or item.logprobs:
-            chunk = {"index": 0, "content": item.text, "stop": False,
-                     "tokens": [e.token for e in item.logprobs] if body.return_tokens else []}
-            if body.n_probs:
-                chunk["completion_probabilities"] = _native_probs(item.logprobs, post_sampling)
-            await response.write(b"data: " + encode(chunk) + b"\n\n")
-        item = await job.next(None)
-    if is_failure(item):
-        await response.write(b"data: " + encode(failure_error(item).body()) + b"\n\n")
-    else:
-        final = {"index": 0, "content": "", "tokens": [], **_native_end(item, model), **end}
-        await response.write(b"data: " + encode(final) + b"\n\n")
-    await response.write_eof()
-    return response
+class NativeChunks:
+    """The events as llama-server streams /completion: `data: {...}` lines, each
+    step's text with its tokens and probabilities, the last with stop: true (no [DONE])."""
+
+    def __init__(self, write: Callable[[bytes], Awaitable], model: str, body: NativeCompletionRequest,
+                 end: dict) -> None:
+        self.write = write
+        self.model = model
+        self.body = body
+        self.end = end  # generation_settings
+        self.post_sampling = end["generation_settings"]["post_sampling_probs"]
+
+    async def send(self, body: dict) -> None:
+        await self.write(b"data: " + msgspec.json.encode(body) + b"\n\n")
+
+    async def on(self, event: Event) -> None:
+        if isinstance(event, TextDelta):  # a plain reader's: the step's text, or its logprobs alone
+            chunk = {"index": 0, "content": event.text, "stop": False,
+                     "tokens": [e.token for e in event.logprobs] if self.body.return_tokens else []}
+            if self.body.n_probs:
+                chunk["completion_probabilities"] = _native_probs(list(event.logprobs), self.post_sampling)
+            await self.send(chunk)
+        elif isinstance(event, Failure):
+            await self.send(failure_error(event.item).body())
+        elif isinstance(event, End):
+            await self.send({"index": 0, "content": "", "tokens": [], **_native_end(event.done, self.model),
+                             **self.end})

@@ -7,10 +7,10 @@ with `done: false` and a piece of the text, the last with `done: true`,
 after the headers went out is one more line, {"error": "..."}. Without
 `stream`, the same last object carries the whole text.
 
-Tool calls are read as chat completions read them (core/job.py's ToolMode,
-openai/answer.py's StreamedChoice: text that may be a call is held back while it streams); Ollama
-gives a call's arguments as an object, and sends the calls in one line before
-the last.
+Tool calls come read out of the text by the core's reader (core/events.py:
+text that may be a call is held back while it streams); Ollama gives a
+call's arguments as an object, and sends the calls in one line before the
+last.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import math
 import time
+from collections.abc import Awaitable, Callable
 from datetime import datetime, timezone
 from typing import Any
 
@@ -27,10 +28,10 @@ from aiohttp import web
 from daemon import protocol as p
 from daemon.fleet.owner import FleetModel
 from daemon.http.errors import ApiError
+from daemon.http.core.events import (ChoiceReader, End, Event, Failure, TextDelta, Whole, read_events, token_logprobs,
+                                     whole_answer)
 from daemon.http.core.job import ToolMode
 from daemon.http.core.run import failure_error, first_item, is_failure, tracked
-from daemon.http.dialects.openai.answer import StreamedChoice
-from daemon.http.dialects.openai.shapes import piece_text
 from daemon.model.controller import Controller
 from daemon.model.jobs import Job
 from daemon.tools.parse import ParsedCall, new_call_id
@@ -67,12 +68,6 @@ def tool_calls_out(calls: list[ParsedCall]) -> list[dict]:
             for i, c in enumerate(calls)]
 
 
-def logprobs_out(entries: list[p.TokenLogprob]) -> list[dict]:
-    return [{"token": piece_text(e.piece), "logprob": e.logprob, "bytes": list(e.piece),
-             "top_logprobs": [{"token": piece_text(t.piece), "logprob": t.logprob, "bytes": list(t.piece)}
-                              for t in e.top]} for e in entries]
-
-
 class _Lines:
     """The objects of one endpoint's answer."""
 
@@ -90,7 +85,7 @@ class _Lines:
     def piece(self, text: str, calls: list[ParsedCall] = (), logprobs: list[p.TokenLogprob] = ()) -> dict:
         out = {**self.head(), **self.text(text, calls), "done": False}
         if self.logprobs:
-            out["logprobs"] = logprobs_out(list(logprobs))
+            out["logprobs"] = token_logprobs(logprobs)
         return out
 
     def end(self, reason: str, done: p.Done, job: Job, text: str = "", calls: list[ParsedCall] = (),
@@ -98,7 +93,7 @@ class _Lines:
         out = {**self.head(), **self.text(text, calls), "done": True, "done_reason": reason,
                **durations(job, self.controller, done)}
         if self.logprobs:
-            out["logprobs"] = logprobs_out(list(logprobs))
+            out["logprobs"] = token_logprobs(logprobs)
         return out
 
 
@@ -131,49 +126,60 @@ async def answer(request: web.Request, model: FleetModel, job: Job, lines: _Line
         item = await first_item(request, model, job)
         if is_failure(item):
             raise failure_error(item)
-        if stream:
-            return await _stream(request, job, lines, item, tools)
-        parts, logprobs = [], []
-        while isinstance(item, p.Tokens):
-            parts.append(item.text)
-            logprobs.extend(item.logprobs)
-            item = await job.next(None)
-        if is_failure(item):
-            raise failure_error(item)
-        text, calls, reason = "".join(parts), [], item.finish_reason
-        if tools is not None:
-            content, calls, reason = tools.calls(text, reason)
-            text = content or ""
-        return web.json_response(lines.end(_done_reason(reason), item, job, text, calls, logprobs))
+        if not stream:
+            whole = await whole_answer(job, item)
+            if whole.failure is not None:
+                raise whole.failure.error
+            return web.json_response(whole_body(whole, lines, job, tools))
+        response = web.StreamResponse(headers={"Content-Type": "application/x-ndjson", "Cache-Control": "no-cache",
+                                               "X-Request-Id": job.id})
+        await response.prepare(request)
+        writer = LineWriter(response.write, lines, job)
+        async for event in read_events(job, item, [ChoiceReader(0, tools)]):
+            await writer.on(event)
+        await response.write_eof()
+        return response
 
 
-async def _stream(request: web.Request, job: Job, lines: _Lines, item, tools: ToolMode | None) -> web.StreamResponse:
-    response = web.StreamResponse(headers={"Content-Type": "application/x-ndjson", "Cache-Control": "no-cache",
-                                           "X-Request-Id": job.id})
-    await response.prepare(request)
+def whole_body(whole: Whole, lines: _Lines, job: Job, tools: ToolMode | None) -> dict:
+    choice = whole.choices[0]
+    text, calls, reason = choice.text, [], choice.reason
+    if tools is not None:
+        content, calls, reason = tools.calls(text, reason)
+        text = content or ""
+    return lines.end(_done_reason(reason), whole.done, job, text, calls, choice.logprobs)
 
-    async def send(body: dict) -> None:
-        await response.write(_encode(body) + b"\n")
 
-    choice = StreamedChoice(0, tools)
-    while isinstance(item, p.Tokens):
-        text, _ = choice.feed(item)  # with tools: the text that cannot be part of a call
-        if text:
-            await send(lines.piece(text, logprobs=choice.take_logprobs()))
-        item = await job.next(None)
-    if is_failure(item):
-        await send(failure_error(item).body("ollama"))
-    else:
-        reason, calls, rest = item.finish_reason, [], ""
-        if tools is not None:
-            content, calls, reason = tools.calls("".join(choice.text), reason)
-            held, _ = choice.calls.finish()
-            rest = held if content is not None else ""  # None: what it held back was the calls
-        if rest or calls:
-            await send(lines.piece(rest, calls, choice.take_logprobs()))
-        await send(lines.end(_done_reason(reason), item, job, logprobs=choice.take_logprobs()))
-    await response.write_eof()
-    return response
+class LineWriter:
+    """The events as Ollama streams them: a line per piece of text (with the
+    logprobs so far), the text held back and the calls in one line, the last
+    line with done_reason and the timings; a failure is an {"error"} line."""
+
+    def __init__(self, write: Callable[[bytes], Awaitable], lines: _Lines, job: Job) -> None:
+        self.write = write
+        self.lines = lines
+        self.job = job
+        self.pending: list[p.TokenLogprob] = []  # not yet sent
+
+    async def send(self, body: dict) -> None:
+        await self.write(_encode(body) + b"\n")
+
+    def take_logprobs(self) -> list[p.TokenLogprob]:
+        taken, self.pending = self.pending, []
+        return taken
+
+    async def on(self, event: Event) -> None:
+        if isinstance(event, Failure):
+            await self.send(event.error.body("ollama"))
+            return
+        self.pending.extend(getattr(event, "logprobs", ()))
+        if isinstance(event, TextDelta) and event.text:
+            await self.send(self.lines.piece(event.text, logprobs=self.take_logprobs()))
+        elif isinstance(event, End):
+            if event.rest or event.calls:
+                await self.send(self.lines.piece(event.rest, event.calls, self.take_logprobs()))
+            await self.send(self.lines.end(_done_reason(event.reason), event.done, self.job,
+                                           logprobs=self.take_logprobs()))
 
 
 def embed_body(name: str, job: Job, controller: Controller, result: p.Answer, dimensions: int | None) -> dict:

@@ -1,9 +1,9 @@
 """What the OpenAI endpoints answer: whole bodies and stream chunks for
 /v1/completions and /v1/chat/completions, with usage, logprobs in OpenAI's two
-shapes, tool calls, and llama-server's `timings`.
+shapes, tool calls, and llama-server's `timings` (the core's figures, core/events.py).
 
-Nothing here waits or decides: answer.py feeds a shape what the worker
-sent and writes what it returns.
+Nothing here waits or decides: answer.py feeds a shape what the core's
+events say and writes what it returns.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from importlib import metadata
 from typing import Any
 
 from daemon import protocol as p
+from daemon.http.core.events import piece_text, timings, token_logprobs
 
 _NO_USAGE: Any = object()  # the body has no "usage" key at all
 
@@ -27,34 +28,6 @@ def usage(done: p.Done) -> dict[str, Any]:
         "total_tokens": done.prompt_tokens + done.completion_tokens,
         "prompt_tokens_details": {"cached_tokens": done.cached_tokens},
     }
-
-
-def timings(done: p.Done) -> dict[str, Any]:
-    """llama-server's timings object. prompt_n counts the tokens read (not the
-    ones the prompt cache held); the prompt time runs to the first token."""
-    prompt_n = max(done.prompt_tokens - done.cached_tokens, 0)
-    prompt_ms = done.prompt_seconds * 1000
-    predicted_n = done.completion_tokens
-    predicted_ms = done.generation_seconds * 1000
-    out = {
-        "cache_n": done.cached_tokens,
-        "prompt_n": prompt_n,
-        "prompt_ms": round(prompt_ms, 3),
-        "prompt_per_token_ms": round(prompt_ms / prompt_n, 3) if prompt_n else 0.0,
-        "prompt_per_second": round(prompt_n / done.prompt_seconds, 3) if done.prompt_seconds > 0 else 0.0,
-        "predicted_n": predicted_n,
-        "predicted_ms": round(predicted_ms, 3),
-        "predicted_per_token_ms": round(predicted_ms / predicted_n, 3) if predicted_n else 0.0,
-        # The first token is counted in the prompt time, so the rate is over the ones after it.
-        "predicted_per_second": round((predicted_n - 1) / done.generation_seconds, 3)
-        if predicted_n > 1 and done.generation_seconds > 0 else 0.0,
-    }
-    if done.cache_tier:  # where cache_n came from: slot, ram or disk (the prompt cache's tiers)
-        out["cache_tier"] = done.cache_tier
-    if done.drafted_tokens > 0:  # as llama-server: only when a draft model proposed tokens
-        out["draft_n"] = done.drafted_tokens
-        out["draft_n_accepted"] = done.accepted_tokens
-    return out
 
 
 def system_fingerprint(model_path: str) -> str:
@@ -90,10 +63,6 @@ def _bindings_version() -> str:
         return metadata.version("llama_cpp_python")
     except metadata.PackageNotFoundError:  # pragma: no cover - the worker needs it anyway
         return "0"
-
-
-def piece_text(piece: bytes) -> str:
-    return piece.decode("utf-8", errors="replace")
 
 
 class _Shape:
@@ -175,10 +144,7 @@ class ChatShape(_Shape):
     def logprobs_of(self, entries: list[p.TokenLogprob]) -> dict | None:
         if not self.logprobs:
             return None
-        return {"content": [{
-            "token": piece_text(e.piece), "logprob": e.logprob, "bytes": list(e.piece),
-            "top_logprobs": [{"token": piece_text(t.piece), "logprob": t.logprob, "bytes": list(t.piece)} for t in e.top],
-        } for e in entries], "refusal": None}
+        return {"content": token_logprobs(entries), "refusal": None}
 
     def choice(self, index: int, text: str | None, reason: str, logprobs: list[p.TokenLogprob],
                tool_calls: list[dict] | None = None, reasoning: str | None = None) -> dict:

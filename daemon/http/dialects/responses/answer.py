@@ -19,6 +19,7 @@ from __future__ import annotations
 import itertools
 import secrets
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import msgspec
@@ -26,13 +27,13 @@ from aiohttp import web
 
 from daemon import protocol as p
 from daemon.fleet.owner import FleetModel
+from daemon.http.core.conversation import ChatCompletionRequest
+from daemon.http.core.events import (ChoiceReader, End, Event, Failure, TextDelta, ToolCallDelta, Whole, read_events,
+                                     token_logprobs, whole_answer)
 from daemon.http.core.job import ToolMode
 from daemon.http.core.run import failure_error, first_item, is_failure, open_event_stream, tracked
-from daemon.http.core.conversation import ChatCompletionRequest
-from daemon.http.dialects.openai.shapes import ChatShape
 from daemon.model.jobs import Job
-from daemon.tools.forced_stream import ForcedCallStream
-from daemon.tools.parse import ParsedCall, ToolCallStream, new_call_id
+from daemon.tools.parse import new_call_id
 
 _encode = msgspec.json.encode
 
@@ -48,7 +49,7 @@ class ResponseShape:
         self.id = "resp_" + job_id.split("-", 1)[-1]
         self.created_at = int(time.time())
         self.max_tool_calls = body.max_tool_calls
-        self._logprobs = ChatShape("", model, logprobs=True) if body.wants_logprobs else None
+        self.wants_logprobs = body.wants_logprobs
         fmt = body.format
         self.echo = {
             "instructions": body.instructions, "max_output_tokens": body.max_output_tokens,
@@ -73,9 +74,7 @@ class ResponseShape:
 
     def logprobs(self, entries: list[p.TokenLogprob]) -> list[dict]:
         """output_text's logprobs: [] unless include asked for them."""
-        if self._logprobs is None:
-            return []
-        return self._logprobs.logprobs_of(entries)["content"]
+        return token_logprobs(entries) if self.wants_logprobs else []
 
     def text_part(self, text: str, logprobs: list[p.TokenLogprob] = ()) -> dict:
         return {"type": "output_text", "text": text, "annotations": [], "logprobs": self.logprobs(list(logprobs))}
@@ -106,70 +105,85 @@ async def answer(request: web.Request, model: FleetModel, job: Job, shape: Respo
         item = await first_item(request, model, job)
         if is_failure(item):
             raise failure_error(item)
-        if stream:
-            return await _stream(request, job, shape, item, tools)
-        parts, entries = [], []
-        while isinstance(item, p.Tokens):
-            parts.append(item.text)
-            entries.extend(item.logprobs)
-            item = await job.next(None)
-        if is_failure(item):
-            raise failure_error(item)
-        text, reason = "".join(parts), item.finish_reason
-        content, calls = text, []
-        if tools is not None:
-            content, calls, reason = tools.calls(text, reason)
-        calls = calls[:shape.max_tool_calls]
-        output = []
-        if content is not None and (content or not calls):
-            output.append(shape.message(_item_id("msg"), _status(reason), [shape.text_part(content, entries)]))
-        output += [shape.call(_item_id("fc"), new_call_id(), c.name, c.arguments, "completed") for c in calls]
-        return web.json_response(shape.response(_status(reason), output, item))
+        if not stream:
+            whole = await whole_answer(job, item)
+            if whole.failure is not None:
+                raise whole.failure.error
+            return web.json_response(whole_body(whole, shape, tools))
+        response = await open_event_stream(request, job)
+        output = OutputStream(shape, _Events(response.write), tools)
+        await output.begin()
+        async for event in read_events(job, item, [ChoiceReader(0, tools, most_calls=shape.max_tool_calls)]):
+            await output.on(event)
+        await response.write_eof()
+        return response
+
+
+def whole_body(whole: Whole, shape: ResponseShape, tools: ToolMode | None) -> dict:
+    """The response object: a message item for the text, a function_call item per call."""
+    choice = whole.choices[0]
+    content, calls, reason = choice.text, [], choice.reason
+    if tools is not None:
+        content, calls, reason = tools.calls(choice.text, reason)
+    calls = calls[:shape.max_tool_calls]
+    output = []
+    if content is not None and (content or not calls):
+        output.append(shape.message(_item_id("msg"), _status(reason), [shape.text_part(content, choice.logprobs)]))
+    output += [shape.call(_item_id("fc"), new_call_id(), c.name, c.arguments, "completed") for c in calls]
+    return shape.response(_status(reason), output, whole.done)
 
 
 class _Events:
     """The SSE writer: each event numbered in order (sequence_number)."""
 
-    def __init__(self, response: web.StreamResponse) -> None:
-        self._response = response
+    def __init__(self, write: Callable[[bytes], Awaitable]) -> None:
+        self._write = write
         self._numbers = itertools.count()
 
     async def send(self, kind: str, **fields: Any) -> None:
         body = {"type": kind, "sequence_number": next(self._numbers), **fields}
-        await self._response.write(b"event: " + kind.encode() + b"\ndata: " + _encode(body) + b"\n\n")
+        await self._write(b"event: " + kind.encode() + b"\ndata: " + _encode(body) + b"\n\n")
 
 
-class _Output:
-    """The output items while they stream: the message opened at its first
-    text, calls announced as a forced call's arguments begin (or whole at the
-    end, as the model's own format is read from the whole answer)."""
+class OutputStream:
+    """The events as the Responses stream gives them: the message item opened
+    at its first text, a forced call's item announced as its arguments begin
+    (calls read from the whole answer are sent whole at the end), every item
+    closed at the End, then response.completed or .incomplete (.failed on a Failure)."""
 
     def __init__(self, shape: ResponseShape, events: _Events, tools: ToolMode | None) -> None:
         self.shape = shape
         self.events = events
         self.tools = tools
         self.items: list[dict] = []  # every item added, in output order (final forms once done)
-        self.text: list[str] = []  # the whole answer, read at the end for its calls
         self.logprobs: list[p.TokenLogprob] = []  # of the message's text
         self.pending: list[p.TokenLogprob] = []  # not yet sent with a delta
         self.message: dict | None = None
         self.content: list[str] = []  # what the message's deltas said
-        forced = tools is not None and tools.forced
-        self.scan = ToolCallStream(tools.names) if tools is not None and not forced else None
-        most = shape.max_tool_calls if tools is None or tools.parallel else 1
-        self.forced = ForcedCallStream(tools.names, new_call_id, most=most) if forced else None
         self.streamed: list[dict] = []  # forced calls announced: their items, arguments as streamed
 
-    async def feed(self, tokens: p.Tokens) -> None:
-        self.text.append(tokens.text)
-        self.logprobs.extend(tokens.logprobs)
-        self.pending.extend(tokens.logprobs)
-        if self.forced is not None:
-            for deltas in self.forced.feed(tokens.text):
-                for delta in deltas:
-                    await self._forced_delta(delta)
-            return
-        await self._say(self.scan.feed(tokens.text) if self.scan is not None else tokens.text)
+    async def begin(self) -> None:
+        started = self.shape.response("in_progress", [])
+        await self.events.send("response.created", response=started)
+        await self.events.send("response.in_progress", response=started)
+
+    async def on(self, event: Event) -> None:
+        if isinstance(event, (TextDelta, ToolCallDelta)):
+            self.logprobs.extend(event.logprobs)
+            self.pending.extend(event.logprobs)
+        if isinstance(event, TextDelta):
+            await self._say(event.text)
+        elif isinstance(event, ToolCallDelta):
+            for delta in event.deltas:
+                await self._forced_delta(delta)
+        elif isinstance(event, End):
+            status = await self.finish(event)
+            await self.events.send("response.completed" if status == "completed" else "response.incomplete",
+                                   response=self.shape.response(status, self.items, event.done))
+        elif isinstance(event, Failure):
+            error = event.error
+            await self.events.send("response.failed", response=self.shape.response(
+                "failed", self.items, error={"code": error.code or "server_error", "message": error.message}))
 
     async def _say(self, text: str) -> None:
         if not text:
@@ -201,16 +215,11 @@ class _Output:
         await self.events.send("response.function_call_arguments.delta", item_id=item["id"],
                                output_index=self.items.index(item), delta=delta["function"]["arguments"])
 
-    async def finish(self, reason: str) -> str:
+    async def finish(self, end: End) -> str:
         """Close every item; the response's status."""
-        calls: list[ParsedCall] = []
-        if self.tools is not None:
-            content, calls, reason = self.tools.calls("".join(self.text), reason)
-            if self.scan is not None:
-                rest, _ = self.scan.finish()  # what it held back; the calls are read from the whole text
-                await self._say(rest if content is not None else "")
-        calls = calls[:self.shape.max_tool_calls]
-        status = _status(reason)
+        await self._say(end.rest)
+        calls = list(end.calls)[:self.shape.max_tool_calls]
+        status = _status(end.reason)
         if self.message is None and not calls and not self.streamed:
             await self._open_message()  # an empty answer is an empty message, as unstreamed
         if self.message is not None:
@@ -243,26 +252,3 @@ class _Output:
                                name=item["name"], arguments=item["arguments"])
         item["status"] = status
         await self.events.send("response.output_item.done", output_index=index, item=item)
-
-
-async def _stream(request: web.Request, job: Job, shape: ResponseShape, item, tools: ToolMode | None
-                  ) -> web.StreamResponse:
-    response = await open_event_stream(request, job)
-    events = _Events(response)
-    started = shape.response("in_progress", [])
-    await events.send("response.created", response=started)
-    await events.send("response.in_progress", response=started)
-    output = _Output(shape, events, tools)
-    while isinstance(item, p.Tokens):
-        await output.feed(item)
-        item = await job.next(None)
-    if is_failure(item):
-        error = failure_error(item)
-        await events.send("response.failed", response=shape.response(
-            "failed", output.items, error={"code": error.code or "server_error", "message": error.message}))
-    else:
-        status = await output.finish(item.finish_reason)
-        await events.send("response.completed" if status == "completed" else "response.incomplete",
-                          response=shape.response(status, output.items, item))
-    await response.write_eof()
-    return response
