@@ -180,7 +180,8 @@ class MetricFamilies:
         # One family for the prompt cache, dormouse_prompt_cache_* (its tiers: daemon/worker/prompt_cache.py):
         # hits, misses and restored tokens are counted once, by tier, not again for the disk tier alone.
         self.kv_saved_bytes = Counter("dormouse_prompt_cache_saved_bytes_total",
-                                      "Bytes of prompt caches written to the disk tier at sleeps", M, registry=r)
+                                      "Bytes of prompt-cache files the worker wrote (its own disk tier and the shared "
+                                      "tier, each copy counted), reported at each sleep", M, registry=r)
         self.kv_rejected = Counter("dormouse_prompt_cache_rejected_files_total",
                                    "Disk-tier files deleted as untrustworthy, by reason", M + ["reason"], registry=r)
         self.kv_restore_seconds = Histogram("dormouse_prompt_cache_restore_seconds",

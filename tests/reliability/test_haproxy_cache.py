@@ -68,16 +68,19 @@ def words(seed: int, n: int) -> str:
     return " ".join(WORDS[(seed * 7 + i * 3 + i * i) % len(WORDS)] for i in range(n))
 
 
-def turn(client: httpx.Client, conversation: int, messages: list[dict], key: str | None) -> dict:
-    """One streamed chat turn: TTFT, the usage, the answer's text."""
-    body = {"model": DEFAULT, "messages": messages, "max_tokens": ANSWER_TOKENS, "temperature": 0,
-            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+def turn(client: httpx.Client, conversation: int, messages: list[dict], key: str | None,
+         answer_tokens: int = ANSWER_TOKENS, ignore_eos: bool = True) -> dict:
+    """One streamed chat turn: its status, TTFT, the usage, the answer's text."""
+    body = {"model": DEFAULT, "messages": messages, "max_tokens": answer_tokens, "temperature": 0,
+            "ignore_eos": ignore_eos, "stream": True, "stream_options": {"include_usage": True}}
     if key is not None:
         body["prompt_cache_key"] = key
     started, first, text, usage = time.perf_counter(), None, [], None
     # The conversation in the query: HAProxy's log line names it beside the server that served it.
     with client.stream("POST", f"/v1/chat/completions?conversation={conversation}", json=body) as response:
-        assert response.status_code == 200, response.read()
+        if response.status_code != 200:  # counted by the caller (a lost request), not raised
+            response.read()
+            return {"status": response.status_code, "body": response.text}
         for line in response.iter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
@@ -87,20 +90,27 @@ def turn(client: httpx.Client, conversation: int, messages: list[dict], key: str
                     first = first or time.perf_counter()
                     text.append(choice["delta"]["content"])
             usage = event.get("usage") or usage
-    return {"ttft": (first or time.perf_counter()) - started, "prompt": usage["prompt_tokens"],
+    return {"status": 200, "ttft": (first or time.perf_counter()) - started, "prompt": usage["prompt_tokens"],
             "cached": usage["prompt_tokens_details"]["cached_tokens"], "answer": "".join(text)}
 
 
-def conversation(url: str, label: str, c: int, with_key: bool) -> list[dict]:
+def conversation(url: str, label: str, c: int, with_key: bool, system_words: int = 40,
+                 answer_tokens: int = ANSWER_TOKENS, ignore_eos: bool = True, before_round=None,
+                 timeout: float = CLIENT_TIMEOUT) -> list[dict]:
+    """Five rounds of one conversation; before_round(r), when given, runs before round r's turn
+    (bench.haproxy_affinity drains a replica there)."""
     # Every conversation opens with its own first message: the key when none is sent.
-    messages = [{"role": "system", "content": f"{label} {c} " + words(c, 40)}]
+    messages = [{"role": "system", "content": f"{label} {c} " + words(c, system_words)}]
     key = f"{label}-conversation-{c}" if with_key else None
     done = []
-    with httpx.Client(base_url=url, timeout=CLIENT_TIMEOUT) as client:
+    with httpx.Client(base_url=url, timeout=timeout) as client:
         for r in range(ROUNDS):
+            if before_round is not None:
+                before_round(r)
             messages.append({"role": "user", "content": words(c * 31 + r, 12)})
-            result = turn(client, c, messages, key)
-            messages.append({"role": "assistant", "content": result["answer"]})
+            result = turn(client, c, messages, key, answer_tokens, ignore_eos)
+            if result["status"] == 200:
+                messages.append({"role": "assistant", "content": result["answer"]})
             done.append(result)
     return done
 
@@ -125,9 +135,12 @@ def run(replicas, workdir: Path, cfg: Path, label: str, with_key: bool) -> dict:
         where = servers_by_conversation(proxy, since)
     finally:
         proxy.stop()
+    statuses = Counter(t["status"] for conv in results for t in conv)
+    results = [[t for t in conv if t["status"] == 200] for conv in results]
     later = [t for conv in results for t in conv[1:]]  # the rounds that have a cache to find
     ttfts = sorted(t["ttft"] for conv in results for t in conv)
     return {
+        "statuses": dict(statuses),
         "cached_share": round(sum(t["cached"] for t in later) / sum(t["prompt"] for t in later), 3),
         "ttft_p50_ms": round(1000 * statistics.median(ttfts), 1),
         "ttft_p95_ms": round(1000 * ttfts[int(0.95 * (len(ttfts) - 1))], 1),
@@ -146,6 +159,7 @@ def test_affinity_serves_more_of_each_prompt_from_the_cache(tiny_cluster):
                              ("affinity, no key (first message)", keyless)):
         figures(f"{CONVERSATIONS} conversations x {ROUNDS} rounds, 3 replicas: {name}", **figures_of)
     for figures_of in (today, keyed, keyless):
+        assert figures_of["statuses"] == {200: CONVERSATIONS * ROUNDS}
         assert figures_of["requests_logged"] == CONVERSATIONS * ROUNDS
     # Every conversation with a key stayed on one replica, and the replicas shared them.
     assert keyed["replicas_per_conversation"] == [1] * CONVERSATIONS

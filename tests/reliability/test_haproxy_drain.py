@@ -111,8 +111,11 @@ def test_a_drained_replicas_conversations_restore_from_the_shared_tier(tmp_path)
             replicas_per_conversation=sorted(len(w) for w in after.values()))
     assert statuses == [200] * CONVERSATIONS * ROUNDS  # 0 requests lost
     assert drained["exit_code"] == 0
-    # Each of them: its first rounds on the drained replica, the rest on one other replica.
-    assert all(after[c][victim_name] == DRAIN_AFTER and len(after[c]) == 2 for c in moved), after
+    # Each of them: its first rounds on the drained replica, none after, the rest elsewhere. Usually on
+    # one other replica (its next on the ring); under a loaded machine the turns overlap longer, the
+    # next replica's 6 slots fill (5 of its own + the moved ones) and a turn spills to the replica after
+    # (the absolute bound, test_haproxy_affinity.py): seen once at load average 11, on both others.
+    assert all(after[c][victim_name] == DRAIN_AFTER and len(after[c]) >= 2 for c in moved), after
     # Its conversations' next turns elsewhere came from the shared tier: the issue's goal, 80% of the prompt.
     assert moved and min(shares) >= 0.8, shares
     assert sum(shared_tokens.values()) >= sum(t["cached"] for t in first_after)
