@@ -165,6 +165,8 @@ def tiers(big_gb: float) -> int:
 
 
 if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] in ("-h", "--help"):  # without touching NVML (no GPU here is fine)
+        sys.exit(print(__doc__))
     if len(sys.argv) > 1 and sys.argv[1] == "tiers":
         import argparse
 

@@ -24,7 +24,8 @@ whose outcome differs from such an earlier file.
 
 The suite's own requirements (its requirements.txt): pytest, requests, openai, prometheus-client,
 numpy, filelock, aiohttp are in the `test` extra already; `wget` and `pytest-xdist` are not needed
-(wget is stood in for; the run is serial). Takes about 25 minutes on 2 cores (docs/llama-server.md).
+(wget is stood in for; the run is serial). Takes about 60 minutes on 2 idle cores, far more on busy
+ones (docs/llama-server.md): run it file by file (`-- unit/test_embedding.py`) to measure a change.
 """
 
 from __future__ import annotations

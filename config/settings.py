@@ -34,6 +34,7 @@ KEY_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 from config.models import MODEL_ID, ModelSettings, check_chat_template, check_model_ids, parse_size  # noqa: E402
 from config.sources import find_config_file  # noqa: E402
 from config.llama_options import LlamaOptions  # noqa: E402
+from config.template_kwargs import check_template_kwargs  # noqa: E402
 
 
 class ConfigError(ValueError):
@@ -128,6 +129,9 @@ class Settings(BaseSettings):
     n_gpu_layers: int = Field(-1, ge=-1, description="layers on the GPU; -1 all")
     batch_size: int = Field(512, ge=1, description="tokens per decode step (llama.cpp's n_batch): larger reads long prompts faster and takes more compute memory")
     chat_template_file: Path | None = Field(None, description="Jinja chat template overriding the GGUF's")
+    chat_template_kwargs: dict[str, Any] = Field(
+        {}, description="template variables every chat prompt gets unless the request's chat_template_kwargs give "
+                        "their own (llama-server's --chat-template-kwargs; --reasoning off: enable_thinking = false)")
     chat_template: str | None = Field(None, description="chat template overriding the GGUF's: Jinja text, or one of "
                                       "llama.cpp's built-in names (chatml, llama3, gemma, mistral-v7, phi3, ...); "
                                       "chat_template_file comes first")
@@ -201,9 +205,9 @@ class Settings(BaseSettings):
                                   description="largest image (width x height, read from its header) in a chat request")
     max_images_per_request: int = Field(8, ge=0, le=1024, description="most images in one chat request; 0 refuses images")
     raw_grammar: bool = Field(
-        False, description="accept llama-server's raw `grammar` (GBNF) field, read by llguidance's GBNF reader. Off by "
-                           "default: a hand-written grammar is a program the worker runs per token; json_schema and "
-                           "response_format are always on. Turn on for trusted clients only")
+        True, description="accept llama-server's raw `grammar` (GBNF) field, read by llguidance's GBNF reader under the "
+                          "same per-token limits as json_schema (a grammar past them ends its own request with an "
+                          "error, never stalls the others); false refuses the field")
 
     # -- several models (config/models.py) --
     models: dict[str, ModelSettings] = Field(
@@ -461,6 +465,11 @@ class Settings(BaseSettings):
     @classmethod
     def _chat_template(cls, value: Any) -> Any:
         return check_chat_template(value)
+
+    @field_validator("chat_template_kwargs", mode="before")
+    @classmethod
+    def _chat_template_kwargs(cls, value: Any) -> Any:
+        return check_template_kwargs(value)
 
     toml_file: ClassVar[Path | None] = None  # set on a per-load subclass by load_settings
 

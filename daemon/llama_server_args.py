@@ -33,6 +33,7 @@ __all__ = ["LlamaServerArgsError", "Translation", "translate", "main", "docs_tab
 MAX_ARGS = 4096
 MAX_VALUE_BYTES = 1 << 20
 _ENV_PREFIXES = ("LLAMA_ARG_",)
+LLAMA_SERVER_N_BATCH = 2048  # llama-server's -b when it is not given (common/common.h)
 BARE_FLASH_ATTN = ("-fa", "--flash-attn")  # a flag before llama.cpp gave it a value; scripts still say `-fa -c ...`
 
 
@@ -165,12 +166,25 @@ def _finish(out: Translation) -> None:
     if out.context_from_model:
         out.settings["ctx_size"] = _trained_context(out.settings.get("model"), out.origins.get("ctx_size", "-c"))
     if out.settings.get("embeddings") and "n_ubatch" in out.llama_options:
-        raise LlamaServerArgsError(f"{out.origins['n_ubatch']} with --embeddings: a pooled input must sit in one "
-                                   "micro-batch of -b tokens; give -b instead")
+        _fold_ubatch_into_batch(out)
     try:
         out.llama_options = check_llama_options(out.llama_options)
     except ValueError as exc:  # the table passes only what the check allows: this is a bug, said plainly
         raise LlamaServerArgsError(f"llama_options: {exc}") from None
+
+
+def _fold_ubatch_into_batch(out: Translation) -> None:
+    """-ub with --embeddings, read as llama-server reads it: a pooled input must sit in one micro-batch, so
+    llama-server lowers n_batch to n_ubatch (its default n_batch, 2048, when -b is not given). Dormouse's
+    embeddings context already reads in micro-batches of batch_size (-b), so -ub becomes that batch size."""
+    ubatch = out.llama_options.pop("n_ubatch")
+    spelling = out.origins.pop("n_ubatch", "-ub")
+    batch = out.settings.get("batch_size", LLAMA_SERVER_N_BATCH)
+    if batch > ubatch:
+        out.notes.append(f"{spelling} {ubatch} with --embeddings: batch_size {batch} lowered to {ubatch}, as "
+                         "llama-server does (a pooled input sits in one micro-batch)")
+        out.settings["batch_size"] = ubatch
+        out.origins["batch_size"] = spelling
 
 
 def _trained_context(model: Any, spelling: str) -> int:

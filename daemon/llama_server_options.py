@@ -15,8 +15,9 @@ from typing import Any, Callable
 
 from config.llama_options import KV_CACHE_TYPES, LAZY_MODES, ROPE_SCALING, SPLIT_MODES
 from daemon import llama_server_handlers as handlers
-from daemon.llama_server_handling import (Handling, accepted, by_value, choice, comma_list, const, custom, llama,
-                                          parse_float, refused, setting, switch)
+from config.template_kwargs import check_template_kwargs
+from daemon.llama_server_handling import (Handling, LlamaServerArgsError, accepted, by_value, choice, comma_list, const,
+                                          custom, llama, parse_float, refused, setting, switch, truthy_word)
 
 # The llama.cpp this table was taken from: the one llama-cpp-python 0.3.36 vendors.
 LLAMA_CPP_COMMIT = "0c1e57098bba43ac29e6e3b677cdceebdd22334f"
@@ -50,7 +51,8 @@ PRESET = "a preset downloads a model from Hugging Face; give -hf REPO and the op
 NO_UI = "Dormouse has no web UI"
 NO_TOOLS = "built-in tools, MCP and the agent are not served"
 ROUTER = "router mode is not translated: put each model in a [models.ID] table of the config file"
-REASONING = "no server-wide reasoning setting: send chat_template_kwargs (e.g. enable_thinking) in each request"
+REASONING = ("no server-wide setting for it: send reasoning_format or chat_template_kwargs in each request (-rea off "
+             "and --chat-template-kwargs set template variables server-wide)")
 DRAFT_TUNING = "the draft model runs with the main model's threads and llama.cpp's default context parameters"
 NGRAM = "n-gram and lookup speculation are not implemented: Dormouse drafts with a draft model (-md)"
 FIT = "Dormouse's memory budget (memory_budget) plans what fits; llama.cpp's fitting is not used"
@@ -58,6 +60,48 @@ CHECKPOINTS = "Dormouse places sliding-window checkpoints by its own rule (cache
 MEDIA = "not a setting; max_image_pixels and max_images_per_request bound images"
 TIMINGS = "Dormouse reports its own timings in each answer"
 LOG_FORMAT = "Dormouse's log lines carry a timestamp and level in its own format (log_format)"
+
+def _template_variables(values: dict[str, Any], spelling: str, out: Any) -> None:
+    """Server-wide template variables, merged over those an earlier option set (the last one given wins)."""
+    merged = {**out.settings.get("chat_template_kwargs", {}), **values}
+    try:
+        out.settings["chat_template_kwargs"] = check_template_kwargs(merged)
+    except ValueError as exc:
+        raise LlamaServerArgsError(f"{spelling}: {exc}") from None
+    out.origins["chat_template_kwargs"] = spelling
+
+
+def _chat_template_kwargs(text: str, spelling: str, out: Any) -> None:
+    try:
+        values = check_template_kwargs(text)
+    except ValueError as exc:
+        raise LlamaServerArgsError(f"{spelling}: {exc}") from None
+    _template_variables(values, spelling, out)
+
+
+def _reasoning(text: str, spelling: str, out: Any) -> None:
+    """llama-server's -rea on|off|auto: off renders every chat prompt with enable_thinking = false, which the
+    templates of thinking models read (Qwen 3's closes an empty think block, DeepSeek R1's opens and closes one)."""
+    try:
+        word = truthy_word(text)
+    except ValueError as exc:
+        raise LlamaServerArgsError(f"{spelling}: {exc}") from None
+    if word == "off":
+        _template_variables({"enable_thinking": False}, spelling, out)
+    else:
+        out.notes.append(f"{spelling}: accepted; {word}: chat templates render with enable_thinking = true unless a "
+                         "request's chat_template_kwargs say otherwise")
+
+
+def _reasoning_budget(value: int, spelling: str, out: Any) -> None:
+    if value == 0:
+        _template_variables({"enable_thinking": False}, spelling, out)
+    elif value == -1:
+        out.notes.append(f"{spelling}: accepted; -1: thinking has no budget, as by default")
+    else:
+        raise LlamaServerArgsError(f"{spelling} {value} is not supported: Dormouse does not count thinking tokens "
+                                   "(0 turns thinking off, -1 leaves it unbounded)")
+
 
 OPTIONS: tuple[Option, ...] = (
     opt("-h --help --usage", None, "flag", custom("dormouse", "Dormouse's own help (dormouse serve --help)",
@@ -277,8 +321,9 @@ OPTIONS: tuple[Option, ...] = (
         "mapped", "mapped to `api_key` / `api_keys`: the file's keys, read at start", handlers.api_key_file)),
     opt("--ssl-key-file", "LLAMA_ARG_SSL_KEY_FILE", "string", refused("terminate TLS in a proxy in front (deploy/)")),
     opt("--ssl-cert-file", "LLAMA_ARG_SSL_CERT_FILE", "string", refused("terminate TLS in a proxy in front (deploy/)")),
-    opt("--chat-template-kwargs", "LLAMA_ARG_CHAT_TEMPLATE_KWARGS", "string",
-        refused("no server-wide default: send chat_template_kwargs in each request")),
+    opt("--chat-template-kwargs", "LLAMA_ARG_CHAT_TEMPLATE_KWARGS", "string", custom(
+        "mapped", "mapped to `chat_template_kwargs` (a JSON object; a request's own chat_template_kwargs win)",
+        _chat_template_kwargs)),
     opt("-to --timeout", "LLAMA_ARG_TIMEOUT", "int",
         refused("Dormouse has no server-wide read/write timeout; set one in the proxy in front")),
     opt("--sse-ping-interval", "LLAMA_ARG_SSE_PING_INTERVAL", "int", refused("Dormouse sends no SSE pings")),
@@ -311,9 +356,15 @@ OPTIONS: tuple[Option, ...] = (
         # built-in one only imitates. Accepted (llama-server's test suite passes --no-jinja on every start).
         accepted("Dormouse always renders the model's Jinja chat template")), negative="--no-jinja"),
     opt("--reasoning-format", "LLAMA_ARG_THINK", "string", refused(REASONING)),
-    opt("-rea --reasoning", "LLAMA_ARG_REASONING", "string", refused(REASONING)),
+    opt("-rea --reasoning", "LLAMA_ARG_REASONING", "string", custom(
+        "mapped / accepted", "off: mapped to `chat_template_kwargs` enable_thinking = false (a request's own "
+        "chat_template_kwargs win); on, auto: accepted (templates render with enable_thinking = true, the default)",
+        _reasoning)),
     opt("--reasoning-effort", "LLAMA_ARG_REASONING_EFFORT", "string", refused(REASONING)),
-    opt("--reasoning-budget", "LLAMA_ARG_THINK_BUDGET", "int", refused(REASONING)),
+    opt("--reasoning-budget", "LLAMA_ARG_THINK_BUDGET", "int", custom(
+        "mapped / accepted / refused", "0: mapped to `chat_template_kwargs` enable_thinking = false (as older "
+        "llama-server); -1: accepted (no budget, the default); other budgets refused (Dormouse does not count "
+        "thinking tokens)", _reasoning_budget)),
     opt("--reasoning-budget-message", "LLAMA_ARG_THINK_BUDGET_MESSAGE", "string", refused(REASONING)),
     opt("--reasoning-preserve", "LLAMA_ARG_REASONING_PRESERVE", "switch", refused(REASONING),
         negative="--no-reasoning-preserve"),

@@ -54,6 +54,7 @@ class ModelSpec(msgspec.Struct, omit_defaults=True):
     n_gpu_layers: int = 0
     batch_size: int = 512
     chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] = {}  # the server's template variables; a request's own win over them
     draft_max: int = 16
     draft_min: int = 0
     draft_p_min: float = 0.75

@@ -1,19 +1,20 @@
 """Bounds on a raw GBNF grammar (llama-server's `grammar` field) before
-llama.cpp's parser sees it.
+llguidance's GBNF reader (`llguidance.gbnf_to_lark`, build.py) sees it.
 
-llama.cpp's GBNF parser recurses once per nested group (20,000 parentheses
-overflow the worker's stack: SIGSEGV), and expands `{m,n}` by copying the
-element, looping without end when n < m. Both happen in
-llama_sampler_init_grammar, on the thread that decodes every slot, so the
-text is scanned here first: strings, character classes and comments are
-skipped, groups counted, repetitions checked.
+The reader is a recursive-descent parser in Python: groups nested ~2,000 deep
+end in a RecursionError, and each `{m,n}` repetition becomes grammar that
+llguidance compiles (its time and memory grow with the counts, and `{m,n}`
+with n < m has no meaning). So the text is scanned here first, in one pass
+with no recursion: strings, character classes and comments are skipped,
+groups counted, repetitions checked, and a refusal names the bound it broke
+rather than the reader's error.
 
-What a scan cannot bound is the matching cost: a grammar whose rules can
-match the same text many ways (a run of optional elements) makes llama.cpp
-track a number of parse stacks that grows combinatorially, and one step can
-take minutes. That is why raw grammars are off unless the operator trusts the
-clients (`raw_grammar = true`); json_schema and response_format build their
-grammar from a checked schema and are always on.
+What matching costs is llguidance's to bound, not this file's: its parser
+stops at its own limits (LLParserLimits: a row of the Earley parser past its
+item limit, the lexer's fuel), and the request ends with an error, never a
+stall (daemon/worker/structured.py). So raw grammars are on by default, as in
+llama-server; `raw_grammar = false` refuses them. json_schema and
+response_format build their grammar from a checked schema and are always on.
 """
 
 from __future__ import annotations

@@ -189,7 +189,10 @@ class ChatRenderer:
         if self.builtin is not None:
             return apply_llama_cpp_template(self.builtin, messages, add_generation_prompt)
         now = datetime.now()
+        # functions: the tools as indented JSON ("" without), which llama-server gives FireFunction v2's template.
+        functions = json.dumps(extra["tools"], indent=2) if extra.get("tools") else ""
         context = {"enable_thinking": True, "date_string": now.strftime("%d %b %Y"), "datetime": now.strftime("%b %d %Y"),
+                   "functions": functions,
                    **{k: v for k, v in (kwargs or {}).items() if k not in RESERVED_VARIABLES},
                    "messages": messages, "bos_token": self.bos_token, "eos_token": self.eos_token,
                    "add_generation_prompt": add_generation_prompt, **extra}

@@ -94,15 +94,15 @@ async def test_hostile_field_is_a_400_naming_it(path, body, param):
         assert ok.status == 200
 
 
-async def test_raw_grammar_is_off_unless_the_operator_turns_it_on():
+async def test_raw_grammar_is_on_unless_the_operator_turns_it_off():
     body = {"prompt": "x", "grammar": 'root ::= "a"', "max_tokens": 2}
-    async with daemon() as (controller, client):
+    async with daemon() as (controller, client):  # llama-server's default: its clients send raw grammars
+        assert (await client.post("/v1/completions", json=body)).status == 200
+    async with daemon(raw_grammar=False) as (controller, client):
         error = await error_of(await client.post("/v1/completions", json=body), 400)
-        assert error["param"] == "grammar" and "raw_grammar" in error["message"]
+        assert error["param"] == "grammar" and "raw_grammar = false" in error["message"]
         schema = {"prompt": "x", "json_schema": {"type": "string"}, "max_tokens": 2}
         assert (await client.post("/v1/completions", json=schema)).status == 200  # schemas are always on
-    async with daemon(raw_grammar=True) as (controller, client):
-        assert (await client.post("/v1/completions", json=body)).status == 200
 
 
 @pytest.mark.parametrize("path", ["/v1/embeddings", "/tokenize", "/detokenize", "/apply-template", "/completion"])

@@ -69,6 +69,10 @@ SAMPLES: dict[str, tuple[str, dict]] = {
     "--slot-save-path": ("/var/slots", {"slot_save_path": "/var/slots"}),
     "--chat-template": ("chatml", {"chat_template": "chatml"}),
     "--chat-template-file": ("/t.jinja", {"chat_template_file": "/t.jinja"}),
+    "--chat-template-kwargs": ('{"enable_thinking": false, "tone": "dry"}',
+                               {"chat_template_kwargs": {"enable_thinking": False, "tone": "dry"}}),
+    "-rea": ("auto", {}),  # off: tests/unit/test_llama_server_reasoning.py
+    "--reasoning-budget": ("-1", {}),
     "--sleep-idle-seconds": ("2.5", {"sleep_idle_seconds": 2.5}),
     "--log-colors": ("auto", {}),
     "-lv": ("4", {"log_level": "debug"}),
@@ -294,7 +298,6 @@ def test_dormouse_serve_flags_pass_through_untouched():
     (["-a", " , "], "one or more names"),
     (["--warmup=yes"], "takes no value"),
     (["-ub", "0"], "must be 1 or more"),
-    (["-ub", "64", "--embeddings"], "-ub with --embeddings"),
     (["--api-key-file", "/nonexistent/keys"], "cannot read"),
     (["-c", "x" * (2 << 20)], "longer than"),
     (["--top-k", "40"], "--top-k is not supported: no server-wide default"),
@@ -445,8 +448,10 @@ def test_older_llama_server_spellings_of_the_load_mode(argv, environ, load_mode)
      {"model": "/m/coder.gguf", "models": {"coder": {"aliases": []}}, "n_gpu_layers": 29, "ctx_size": 4096,
       "threads": 8, "host": "127.0.0.1", "port": 9001, "chat_template_file": "/m/agent.jinja", "load_mode": "mlock"},
      {}),
+    # -ub with embeddings: the batch is the micro-batch, as llama-server makes it (a pooled input sits in one)
     ("--port 9002 -m /m/e.gguf --embeddings --pooling mean -ub 8192 -b 8192 -np 2",
-     None, None),  # -ub with embeddings: refused (a pooled input sits in one micro-batch of -b)
+     {"port": 9002, "model": "/m/e.gguf", "embeddings": True, "pooling": "mean", "batch_size": 8192, "parallel": 2},
+     {}),
     ("--port 9003 -m /m/q.gguf -c 32768 -fa on -ctk q8_0 -ctv q8_0 --temp 0.6 --top-k 20",
      None, None),  # --top-k: no server-wide sampling default other than -n, -s, --temp
 ])

@@ -85,9 +85,8 @@ async def structured_grammar(request: web.Request, body: SamplingFields,
     from daemon.grammar.off_loop import GrammarBusy, build_grammar
 
     if body.grammar is not None and not request.app[SETTINGS].raw_grammar:
-        raise ApiError(400, "grammar: raw GBNF grammars are off on this server (raw_grammar = true turns them on for "
-                            "trusted clients: a GBNF grammar can stall every slot); json_schema and response_format "
-                            "are always available", "invalid_value", param="grammar")
+        raise ApiError(400, "grammar: raw GBNF grammars are off on this server (raw_grammar = false); json_schema "
+                            "and response_format are always available", "invalid_value", param="grammar")
 
     tools = [t.model_dump(exclude_none=True) for t in chat.tools] if chat is not None and chat.tools else None
     if chat is not None and chat.tool_choice not in (None, "none") and not tools:

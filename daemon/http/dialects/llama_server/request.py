@@ -1,6 +1,6 @@
 """llama-server's extras, in its request and response shapes: /tokenize,
 /detokenize, /apply-template and the native /completion (whose answer is
-answer.py's); and OpenAI's /v1/embeddings (and /embeddings).
+answer.py's); the embeddings routes are embeddings.py's.
 
 Tokenizing, templates and embeddings need the loaded model, so each is a
 query to the worker (protocol.Query): it wakes a sleeping model and waits its
@@ -10,9 +10,6 @@ field names and another answer.
 
 from __future__ import annotations
 
-import base64
-import struct
-
 import msgspec
 from aiohttp import web
 
@@ -21,9 +18,11 @@ from daemon.http.keys import model_for
 from daemon.http.core.job import generation_model, parse_body, structured_grammar
 from daemon.http.core.run import run_query
 from daemon.http.core.conversation import ImageRefused
+from daemon.http.dialects.llama_server import embeddings
 from daemon.http.dialects.llama_server.answer import native_answer
-from daemon.http.dialects.llama_server.schemas import (ApplyTemplateRequest, DetokenizeRequest, EmbeddingsRequest,
-                                                       NativeCompletionRequest, TokenizeRequest)
+from daemon.http.dialects.llama_server.mixed_prompt import is_mixed, mixed_tokens
+from daemon.http.dialects.llama_server.schemas import (ApplyTemplateRequest, DetokenizeRequest, NativeCompletionRequest,
+                                                       TokenizeRequest)
 
 
 def _piece(data: bytes) -> str | list[int]:
@@ -69,26 +68,6 @@ def _no_images(part) -> bytes:
     raise ImageRefused("/apply-template renders text only: remove the images")
 
 
-async def embeddings(request: web.Request) -> web.Response:
-    body = await parse_body(request, EmbeddingsRequest)
-    model = model_for(request, body.model)
-    if not model.controller.settings.embeddings:
-        raise ApiError(400, f"model {model.id!r} has no embeddings: set embeddings = true in its [models.{model.id}] "
-                            "table (or start with --embeddings), or name an embeddings model", "embeddings_not_enabled",
-                       param="model")
-    job = model.controller.new_query("embeddings", "embed", inputs=body.inputs())
-    answer = await run_query(request, model, job)
-    data = []
-    for i, vector in enumerate(answer.embeddings):
-        if body.encoding_format == "base64":  # as OpenAI's: little-endian float32
-            encoded = base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode()
-            data.append({"object": "embedding", "index": i, "embedding": encoded})
-        else:
-            data.append({"object": "embedding", "index": i, "embedding": vector})
-    return web.json_response({"object": "list", "data": data, "model": model.id,
-                              "usage": {"prompt_tokens": answer.prompt_tokens, "total_tokens": answer.prompt_tokens}})
-
-
 # -- the native /completion --------------------------------------------------------
 
 def _n_predict(body: NativeCompletionRequest, settings) -> int:
@@ -107,6 +86,8 @@ async def completion(request: web.Request) -> web.StreamResponse:
     body = await parse_body(request, NativeCompletionRequest)
     grammar = await structured_grammar(request, body)
     model = generation_model(request, body)
+    if is_mixed(body.prompt):  # token ids with texts between them: the texts tokenized in place
+        body.prompt = await mixed_tokens(request, model, body.prompt)
     settings = model.controller.settings
     if body.n > 1:
         raise ApiError(400, "n: /completion answers one completion (its answer has no choices); use /v1/completions",
@@ -127,5 +108,4 @@ def add_routes(app: web.Application) -> None:
     app.router.add_post("/detokenize", detokenize)
     app.router.add_post("/apply-template", apply_template)
     app.router.add_post("/completion", completion)
-    app.router.add_post("/v1/embeddings", embeddings)
-    app.router.add_post("/embeddings", embeddings)  # llama-server's unversioned alias
+    embeddings.add_routes(app)

@@ -9,8 +9,8 @@ from typing import Annotated, Any, Literal
 from pydantic import ConfigDict, Field, ValidationInfo, field_validator
 
 from daemon.http.core.conversation import Conversation
-from daemon.http.core.schemas import (MAX_EMBEDDING_INPUTS, MAX_TOP_LOGPROBS, RequestModel, SamplingFields, TokenId,
-                                      _at_most, _prompt_limit)
+from daemon.http.core.schemas import (INT32_MAX, MAX_EMBEDDING_INPUTS, MAX_TOP_LOGPROBS, RequestModel, SamplingFields,
+                                      TokenId, _at_most, _prompt_limit)
 
 
 
@@ -38,7 +38,8 @@ class ApplyTemplateRequest(Conversation):
 class NativeCompletionRequest(SamplingFields):
     """llama-server's /completion: its names for the same sampling fields."""
 
-    prompt: str | Annotated[list[TokenId], Field(min_length=1)]
+    prompt: str | Annotated[list[TokenId | str], Field(min_length=1)] = Field(
+        description="a text, token ids (texts may sit between them: one prompt), or {\"prompt_string\": text}")
     n_predict: int = Field(-1, ge=-1, le=1_000_000, description="-1: until the end of generation or of the slot's "
                                                                 "context; left out: the server's n_predict")
     max_tokens: int | None = Field(None, ge=1, le=1_000_000, description="llama-server's alias of n_predict")
@@ -51,35 +52,108 @@ class NativeCompletionRequest(SamplingFields):
     @field_validator("prompt", mode="before")
     @classmethod
     def _prompt_size(cls, value: Any, info: ValidationInfo) -> Any:
-        return _prompt_limit(value, info, "prompt token ids (ctx_size)")
+        return _prompt_limit(completion_prompt(value), info, "prompt token ids (ctx_size)")
 
 
-EmbeddingInput = (Annotated[str, Field(min_length=1)]
-                  | Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1, max_length=MAX_EMBEDDING_INPUTS)]
-                  | Annotated[list[TokenId], Field(min_length=1)]
-                  | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]],
-                              Field(min_length=1, max_length=MAX_EMBEDDING_INPUTS)])
+def completion_prompt(value: Any) -> Any:
+    """/completion's prompt as llama-server reads it, one prompt only: an object gives its prompt_string;
+    several prompts (llama-server answers them with a list) are refused, as are images (no projector
+    reads /completion's multimodal_data here)."""
+    if isinstance(value, dict):
+        if "multimodal_data" in value:
+            raise ValueError("multimodal_data: /completion reads text only here; send images to "
+                             "/v1/chat/completions on a model with a projector (mmproj)")
+        text = value.get("prompt_string")
+        if not isinstance(text, str):
+            raise ValueError('an object prompt is {"prompt_string": text}')
+        return text
+    if isinstance(value, list) and value and all(isinstance(v, (str, list, dict)) for v in value):
+        raise ValueError("several prompts in one request are not served: send one prompt per request (a text, "
+                         "token ids, or token ids with texts between them)")
+    if isinstance(value, list) and sum(isinstance(v, str) for v in value) > MAX_INPUT_PARTS:
+        raise ValueError(f"at most {MAX_INPUT_PARTS} texts between token ids")
+    return value
+
+
+MAX_INPUT_PARTS = 256  # text parts of one {"content": [...]} input, pieces of one mixed prompt
+
+
+def _token_id(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= INT32_MAX
+
+
+def _object_prompt(value: dict, where: str) -> str:
+    """llama-server's object input: {"prompt_string": text} or {"content": [text parts]}. Embeddings read
+    text only: an image, audio or video part is refused (no embeddings model here reads media)."""
+    if "prompt_string" in value:
+        text = value["prompt_string"]
+        if not isinstance(text, str):
+            raise ValueError(f"{where}.prompt_string must be a string")
+        return text
+    parts = value.get("content")
+    if not isinstance(parts, list) or not parts:
+        raise ValueError(f"{where}: an object input has prompt_string (a string) or content (a list of "
+                         '{"type": "text", "text": ...} parts)')
+    _at_most(parts, MAX_INPUT_PARTS, f"content parts in {where}")
+    texts = []
+    for i, part in enumerate(parts):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind != "text" or not isinstance(part.get("text"), str):
+            shown = kind if isinstance(kind, str) else type(part).__name__
+            raise ValueError(f"{where}.content[{i}]: embeddings read text parts only, got {str(shown)[:40]!r}")
+        texts.append(part["text"])
+    return "".join(texts)  # as llama-server: the parts read as one text
+
+
+def _one_prompt(value: Any, where: str) -> str | list[int | str]:
+    """A text, token ids, token ids mixed with texts (one prompt, as llama-server reads it), or an object."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, dict):
+        return _object_prompt(value, where)
+    if isinstance(value, list) and value:
+        if not all(_token_id(v) or isinstance(v, str) for v in value):
+            raise ValueError(f"{where}: a prompt of token ids holds integers from 0 to {INT32_MAX} (and texts)")
+        if sum(isinstance(v, str) for v in value) > MAX_INPUT_PARTS:
+            raise ValueError(f"{where}: at most {MAX_INPUT_PARTS} texts between token ids")
+        return list(value)
+    raise ValueError(f"{where}: a prompt is a string, a non-empty list of token ids, or an object")
+
+
+def embedding_prompts(value: Any) -> list[str | list[int | str]]:
+    """`input` as llama-server reads it: one prompt (a string, token ids, token ids and strings mixed, an
+    object) or a list of them. A list of strings alone is several prompts; a list with both token ids and
+    strings is one."""
+    if isinstance(value, list):
+        if not value:
+            raise ValueError("no input: give a string, token ids, or a list of them")
+        ids = any(_token_id(v) for v in value)
+        if ids and all(_token_id(v) or isinstance(v, str) for v in value):
+            return [_one_prompt(value, "input")]
+        _at_most(value, MAX_EMBEDDING_INPUTS, "inputs")
+        return [_one_prompt(item, f"input[{i}]") for i, item in enumerate(value)]
+    return [_one_prompt(value, "input")]
 
 
 class EmbeddingsRequest(RequestModel):
     model_config = ConfigDict(extra="allow")
 
     model: str | None = None
-    input: EmbeddingInput
+    input: list[str | list[TokenId | str]] = Field(
+        description="a string, token ids (texts may sit between them), an object ({\"prompt_string\": ...} or "
+                    "{\"content\": [text parts]}), or a list of these: one embedding each")
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: None = Field(None, description="not supported: the model's own dimension is returned")
     user: str | None = None
 
     @field_validator("input", mode="before")
     @classmethod
-    def _count(cls, value: Any, info: ValidationInfo) -> Any:
-        if isinstance(value, list) and value and isinstance(value[0], (str, list)):
-            return _at_most(value, MAX_EMBEDDING_INPUTS, "inputs")
-        return _prompt_limit(value, info, "token ids (ctx_size)")
+    def _prompts(cls, value: Any, info: ValidationInfo) -> Any:
+        prompts = embedding_prompts(value)
+        for prompt in prompts:
+            if isinstance(prompt, list):
+                _prompt_limit(prompt, info, "token ids (ctx_size)")
+        return prompts
 
-    def inputs(self) -> list[str | list[int]]:
-        if isinstance(self.input, str):
-            return [self.input]
-        if self.input and isinstance(self.input[0], int):
-            return [list(self.input)]
+    def inputs(self) -> list[str | list[int | str]]:
         return list(self.input)

@@ -1,0 +1,65 @@
+"""OpenAI's /v1/embeddings (and llama-server's unversioned /embeddings), with llama-server's inputs.
+
+Besides OpenAI's strings and token ids, llama-server reads token ids with texts between them as one
+prompt ([12, 34, "text", 56]) and objects ({"prompt_string": ...}, {"content": [text parts]}): the
+schema (schemas.embedding_prompts) turns every form into texts and token lists; a mixed prompt's texts
+are tokenized in place (mixed_prompt.py), so the worker embeds plain texts and token ids as before.
+"""
+
+from __future__ import annotations
+
+import base64
+import struct
+
+from aiohttp import web
+
+from daemon.http.core.job import parse_body
+from daemon.http.core.run import run_query
+from daemon.http.dialects.llama_server.mixed_prompt import is_mixed, mixed_tokens
+from daemon.http.dialects.llama_server.schemas import EmbeddingsRequest
+from daemon.http.errors import ApiError
+from daemon.http.keys import model_for
+
+TOO_LARGE = "context_length_exceeded"
+
+
+async def _resolved(request: web.Request, model, prompts: list[str | list[int | str]]) -> list[str | list[int]]:
+    out: list[str | list[int]] = []
+    for prompt in prompts:
+        if is_mixed(prompt):
+            out.append(await mixed_tokens(request, model, prompt))
+        else:
+            out.append(prompt)
+    return out
+
+
+async def embeddings(request: web.Request) -> web.Response:
+    body = await parse_body(request, EmbeddingsRequest)
+    model = model_for(request, body.model)
+    if not model.controller.settings.embeddings:
+        raise ApiError(400, f"model {model.id!r} has no embeddings: set embeddings = true in its [models.{model.id}] "
+                            "table (or start with --embeddings), or name an embeddings model", "embeddings_not_enabled",
+                       param="model")
+    job = model.controller.new_query("embeddings", "embed", inputs=await _resolved(request, model, body.inputs()))
+    try:
+        answer = await run_query(request, model, job)
+    except ApiError as exc:
+        if exc.code != TOO_LARGE:
+            raise
+        # llama-server's words, which its clients match on ("input is too large to process").
+        raise ApiError(exc.status, f"{exc.message}; the input is too large to process: give a larger batch_size "
+                                   "(-b), within ctx_size / parallel", exc.code, exc.param) from None
+    data = []
+    for i, vector in enumerate(answer.embeddings):
+        if body.encoding_format == "base64":  # as OpenAI's: little-endian float32
+            encoded = base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode()
+            data.append({"object": "embedding", "index": i, "embedding": encoded})
+        else:
+            data.append({"object": "embedding", "index": i, "embedding": vector})
+    return web.json_response({"object": "list", "data": data, "model": model.id,
+                              "usage": {"prompt_tokens": answer.prompt_tokens, "total_tokens": answer.prompt_tokens}})
+
+
+def add_routes(app: web.Application) -> None:
+    app.router.add_post("/v1/embeddings", embeddings)
+    app.router.add_post("/embeddings", embeddings)  # llama-server's unversioned alias

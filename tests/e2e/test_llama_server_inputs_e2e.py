@@ -1,0 +1,116 @@
+"""llama-server's command line and inputs on a real daemon (issue 29): `--embedding -b N -ub N`
+starts (the batch is the micro-batch), /v1/embeddings reads llama-server's input forms, and
+`-rea off` renders every chat prompt with enable_thinking = false unless a request says otherwise."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+pytestmark = pytest.mark.e2e
+
+# Shows what the template was given, so the test reads the variables themselves.
+PROBE_TEMPLATE = ("{% for m in messages %}[{{ m['role'] }}]{{ m['content'] }}{% endfor %}"
+                  "<thinking={{ enable_thinking }} tone={{ tone | default('none') }}>")
+
+
+@pytest.fixture(scope="module")
+def embedder(tmp_path_factory):
+    from tests.conftest import DaemonProcess
+
+    tmp = tmp_path_factory.mktemp("ls-embed")
+    # llama.cpp's own embedding tests start llama-server so: -ub with --embedding was refused before.
+    d = DaemonProcess("--embedding", "--pooling", "last", "-c", "512", "-b", "300", "-ub", "128", "-np", "1",
+                      "--threads", "2", log_path=tmp / "daemon.log")
+    d.wait_state("ready", "sleeping", timeout=120)
+    yield d
+    d.stop()
+
+
+def vectors(daemon, value) -> list[list[float]]:
+    r = daemon.http.post("/v1/embeddings", json={"input": value})
+    assert r.status_code == 200, r.text
+    return [d["embedding"] for d in r.json()["data"]]
+
+
+def test_the_forms_of_one_prompt_give_one_vector_each(embedder):
+    text, = vectors(embedder, "hello world")
+    assert math.isclose(sum(x * x for x in text), 1.0, rel_tol=1e-4)
+    # The same text as an object, as text parts (read as one text), and as prompt_string.
+    assert vectors(embedder, {"content": [{"type": "text", "text": "hello "}, {"type": "text", "text": "world"}]}) \
+        == [text]
+    assert vectors(embedder, {"prompt_string": "hello world"}) == [text]
+    ids = embedder.http.post("/tokenize", json={"content": "hello world", "add_special": True}).json()["tokens"]
+    assert vectors(embedder, ids) == [text]
+    # Token ids with texts between them are one prompt: the texts tokenized in place, the specials only
+    # for a text that opens it.
+    mixed = embedder.http.post("/tokenize", json={"content": " world"}).json()["tokens"]
+    assert vectors(embedder, [*ids[:-len(mixed)], " world"]) == [text]
+    assert len(vectors(embedder, "")) == 1  # an empty text still has its specials to read
+
+
+def test_a_list_of_prompts_gives_one_vector_per_prompt_in_order(embedder):
+    out = vectors(embedder, ["a cat", {"prompt_string": "tax law"}, [2, 1000, 3], ["a", 17, "b"]])
+    assert len(out) == 4 and out[0] != out[1]
+    assert out[0] == vectors(embedder, "a cat")[0]
+
+
+@pytest.mark.parametrize("value", [
+    [], {}, {"content": "text"}, {"content": []}, {"content": [{"type": "unknown"}]},
+    {"content": [{"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]},
+    {"prompt_string": 5}, [1.5], [-1, 2], [2**31], [True], [[]], [None], 7, None,
+    ["x"] * 257, [{"content": [{"type": "text", "text": "a"}] * 257}],
+])
+def test_hostile_inputs_are_400_and_the_daemon_keeps_serving(embedder, value):
+    r = embedder.http.post("/v1/embeddings", json={"input": value})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["message"]
+
+
+def test_an_input_over_the_batch_says_it_is_too_large(embedder):
+    r = embedder.http.post("/v1/embeddings", json={"input": "This is a test " * 512})
+    assert r.status_code == 400 and "too large" in r.json()["error"]["message"], r.text
+    assert len(vectors(embedder, "still serving")) == 1
+
+
+@pytest.fixture(scope="module")
+def chatter(tmp_path_factory):
+    from tests.conftest import DaemonProcess
+
+    tmp = tmp_path_factory.mktemp("ls-chat")
+    template = tmp / "probe.jinja"
+    template.write_text(PROBE_TEMPLATE)
+    d = DaemonProcess("-rea", "off", "--chat-template-kwargs", '{"tone": "dry"}', "--chat-template-file",
+                      str(template), "-c", "512", "-np", "1", "--threads", "2", log_path=tmp / "daemon.log")
+    d.wait_state("ready", "sleeping", timeout=120)
+    yield d
+    d.stop()
+
+
+def test_reasoning_off_is_the_default_a_request_may_override(chatter):
+    messages = [{"role": "user", "content": "hi"}]
+    prompt = chatter.http.post("/apply-template", json={"messages": messages}).json()["prompt"]
+    assert prompt.endswith("<thinking=False tone=dry>"), prompt
+    body = {"messages": messages, "chat_template_kwargs": {"enable_thinking": True}}
+    prompt = chatter.http.post("/apply-template", json=body).json()["prompt"]
+    assert prompt.endswith("<thinking=True tone=dry>"), prompt
+
+
+def test_completion_reads_mixed_and_object_prompts_as_their_tokens(chatter):
+    def complete(prompt):
+        r = chatter.http.post("/completion", json={"prompt": prompt, "n_predict": 4, "temperature": 0,
+                                                   "cache_prompt": False})
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    text = "I believe the meaning of life is"
+    ids = chatter.http.post("/tokenize", json={"content": text, "add_special": True}).json()["tokens"]
+    plain = complete(ids)
+    assert complete({"prompt_string": text})["content"] == plain["content"]
+    tail = chatter.http.post("/tokenize", json={"content": " is"}).json()["tokens"]
+    mixed = complete([*ids[:-len(tail)], " is"])
+    assert mixed["content"] == plain["content"] and mixed["tokens_evaluated"] == plain["tokens_evaluated"]
+    for hostile in (["a", "b"], {"prompt_string": "x", "multimodal_data": "AAAA"}, {"prompt_string": 1}, [1, None]):
+        r = chatter.http.post("/completion", json={"prompt": hostile, "n_predict": 1})
+        assert r.status_code == 400 and r.json()["error"]["message"], r.text

@@ -1,0 +1,82 @@
+"""llama-server's prompt forms on /completion and /v1/embeddings (issue 29), read by the schemas:
+token ids with texts between them are one prompt, objects give their text, a list of strings is
+several inputs (embeddings only), and every other shape is refused with a message."""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+
+from daemon.http.dialects.llama_server.schemas import (MAX_INPUT_PARTS, EmbeddingsRequest, NativeCompletionRequest,
+                                                       embedding_prompts)
+from daemon.http.core.schemas import MAX_EMBEDDING_INPUTS
+
+
+@pytest.mark.parametrize("value, prompts", [
+    ("", [""]),
+    ("text", ["text"]),
+    ([12, 34, 56], [[12, 34, 56]]),
+    ([12, 34, "text", 56], [[12, 34, "text", 56]]),  # ids and a text: one prompt
+    (["a", "b"], ["a", "b"]),  # texts alone: several
+    (["a", [1, 2]], ["a", [1, 2]]),
+    ([[1, 2], [3, "x"]], [[1, 2], [3, "x"]]),
+    ({"prompt_string": "p"}, ["p"]),
+    ({"content": [{"type": "text", "text": "he"}, {"type": "text", "text": "llo"}]}, ["hello"]),
+    (["a", {"prompt_string": "b"}, {"content": [{"type": "text", "text": "c"}]}], ["a", "b", "c"]),
+])
+def test_embedding_inputs_read_as_llama_server_reads_them(value, prompts):
+    assert embedding_prompts(value) == prompts
+    assert EmbeddingsRequest.model_validate({"input": value}).inputs() == prompts
+
+
+@pytest.mark.parametrize("value, message", [
+    ([], "no input"),
+    ({"content": "text"}, "prompt_string"),
+    ({"content": [{"type": "unknown"}]}, "text parts only"),
+    ({"content": [{"type": "image_url", "image_url": {"url": "data:,"}}]}, "text parts only"),
+    ({"content": [{"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}}]}, "text parts only"),
+    ({"content": ["text"]}, "text parts only"),
+    ({"content": [{"type": "text", "text": 5}]}, "text parts only"),
+    ({"content": [{"type": "text", "text": "a"}] * (MAX_INPUT_PARTS + 1)}, "at most"),
+    ({"prompt_string": ["x"]}, "must be a string"),
+    ([[]], "a prompt is"),
+    ([[1.5]], "token ids"),
+    ([[True]], "token ids"),
+    ([[-1]], "token ids"),
+    ([[2**31]], "token ids"),
+    ([None], "a prompt is"),
+    (["x"] * (MAX_EMBEDDING_INPUTS + 1), "at most"),
+    ([1] + ["x"] * (MAX_INPUT_PARTS + 1), "at most"),
+    (3.5, "a prompt is"),
+    (True, "a prompt is"),
+])
+def test_hostile_embedding_inputs_are_refused(value, message):
+    with pytest.raises(ValueError, match=message):
+        embedding_prompts(value)
+    with pytest.raises(ValidationError):
+        EmbeddingsRequest.model_validate({"input": value})
+
+
+@pytest.mark.parametrize("value, prompt", [
+    ("text", "text"),
+    ([1, 2, 3], [1, 2, 3]),
+    ([1, 2, "text", 3, "more"], [1, 2, "text", 3, "more"]),
+    ({"prompt_string": "p"}, "p"),
+])
+def test_a_completion_prompt_is_one_prompt_in_any_of_its_forms(value, prompt):
+    assert NativeCompletionRequest.model_validate({"prompt": value}).prompt == prompt
+
+
+@pytest.mark.parametrize("value, message", [
+    ({"prompt_string": "p <__media__>", "multimodal_data": "iVBOR"}, "text only"),
+    ({"prompt_string": 3}, "prompt_string"),
+    ({}, "prompt_string"),
+    (["a", "b"], "several prompts"),
+    ([[1, 2], [1, 2]], "several prompts"),
+    ([], "at least 1"),
+    ([-4], "greater than or equal"),
+    ([1] + ["x"] * (MAX_INPUT_PARTS + 1), "at most"),
+])
+def test_other_completion_prompts_are_refused_with_a_reason(value, message):
+    with pytest.raises(ValidationError, match=message):
+        NativeCompletionRequest.model_validate({"prompt": value})
