@@ -9,6 +9,11 @@ again with the grammar's mask over the whole vocabulary (the refused
 candidates' logits set to -inf before the chain). Checking one token costs
 microseconds; a mask costs ~0.06 ms in llguidance, but unpacking it onto 262k
 logits (Gemma 3's vocabulary) in numpy costs 1-2 ms, so only refusals pay it.
+The first draw is llama.cpp's own (`llama_sampler_sample`, as a plain
+request's) unless the chain has penalties, whose accept of a refused token
+could not be undone, or post_sampling_probs needs the candidates: then it is
+the same chain over a numpy candidate array (bench/structured_sampling.py
+measures both).
 Either way the token is one the grammar allows, or the request ends with an
 error (GrammarDeadEnd, also when llguidance stops at one of its own limits).
 
@@ -109,7 +114,12 @@ class SamplerChain:
             for entry, (token, bias) in zip(biases, logit_bias.items()):
                 entry.token, entry.bias = int(token), float(bias)
             add(llama.llama_sampler_init_logit_bias(n_vocab, len(logit_bias), biases))
-        if params.repeat_penalty != 1.0 or params.presence_penalty or params.frequency_penalty:
+        penalized = params.repeat_penalty != 1.0 or params.presence_penalty or params.frequency_penalty
+        # llama_sampler_sample accepts the token it draws; every sampler but the penalties ignores an accept, so
+        # only without them may a grammar's first draw be that one call (the same token and chain state as the
+        # draw over our own candidates), and only where nothing reads the candidates the chain left.
+        self._first_draw_in_c = not penalized and not (self.post_sampling and not self.greedy)
+        if penalized:
             add(
                 llama.llama_sampler_init_penalties(
                     n_vocab,
@@ -145,16 +155,22 @@ class SamplerChain:
             return token
         import numpy as np  # only requests with a grammar or post-sampling probabilities pay for this path
 
-        pointer = llama.llama_get_logits_ith(ctx, batch_index)
-        logits = np.ctypeslib.as_array(pointer, shape=(self.n_vocab,))
-        token = self._draw(logits, with_grammar=False)
+        def logits():  # read only where a numpy draw or the model's own log-probabilities need them
+            return np.ctypeslib.as_array(llama.llama_get_logits_ith(ctx, batch_index), shape=(self.n_vocab,))
+
+        if self._first_draw_in_c:  # the common case: the grammar takes the token a plain request would draw
+            token = llama.llama_sampler_sample(self._chain, ctx, batch_index)  # accepted: a no-op for this chain
+            accepted = True
+        else:
+            token, accepted = self._draw(logits(), with_grammar=False), False
         if self._grammar is not None and not self._grammar.allows(token):
-            token = self._draw(logits, with_grammar=True)
+            token, accepted = self._draw(logits(), with_grammar=True), False
         if self.post_sampling:
             self.last_logprobs = self._post_sampling_at(np, token)
         elif self.top_logprobs is not None:
-            self.last_logprobs = _log_softmax_at(np, logits, token, self.top_logprobs)
-        llama.llama_sampler_accept(self._chain, token)
+            self.last_logprobs = _log_softmax_at(np, logits(), token, self.top_logprobs)
+        if not accepted:
+            llama.llama_sampler_accept(self._chain, token)
         if self._grammar is not None:
             self._grammar.accept(token)
         return token
@@ -166,14 +182,16 @@ class SamplerChain:
         if self._candidates is None:
             self._candidates = np.empty(self.n_vocab, dtype=[("id", np.int32), ("logit", np.float32), ("p", np.float32)])
             self._ids = np.arange(self.n_vocab, dtype=np.int32)
+            self._candidates_pointer = self._candidates.ctypes.data_as(ctypes.POINTER(llama.llama_token_data))
         cand = self._candidates
-        cand["id"] = self._ids  # again at every draw: samplers sort and cut the array in place
+        # again at every draw: samplers sort and cut the array in place. Three column writes measured as fast as
+        # a memmove of a pristine template plus the logits column (memory-bound either way, ~0.4 ms for 262k).
+        cand["id"] = self._ids
         cand["logit"] = logits
         cand["p"] = 0.0
         if with_grammar:
             cand["logit"][~self._grammar.mask()] = -np.inf
-        array = llama.llama_token_data_array(
-            cand.ctypes.data_as(ctypes.POINTER(llama.llama_token_data)), self.n_vocab, -1, False)
+        array = llama.llama_token_data_array(self._candidates_pointer, self.n_vocab, -1, False)
         llama.llama_sampler_apply(self._chain, ctypes.byref(array))
         if not 0 <= array.selected < array.size:
             raise GrammarDeadEnd("the sampler selected no token", "invalid_grammar")
