@@ -89,6 +89,9 @@ def _reasoning(text: str, spelling: str, out: Any) -> None:
     if word == "off":
         _template_variables({"enable_thinking": False}, spelling, out)
     else:
+        # the last option given wins: an earlier enable_thinking = false (-rea off, --chat-template-kwargs) is
+        # undone, and the templates render as by default
+        out.settings.get("chat_template_kwargs", {}).pop("enable_thinking", None)
         out.notes.append(f"{spelling}: accepted; {word}: chat templates render with enable_thinking = true unless a "
                          "request's chat_template_kwargs say otherwise")
 

@@ -111,8 +111,9 @@ class _Tokenizers:
             self._done.wait()
         with self._lock:
             if self._error is not None:
-                error, self._error = self._error, None  # the next request tries again
-                raise error
+                # kept: a build fails the same way for the same vocabulary, and a retry per request would stall
+                # every slot again (llguidance's constructor holds the GIL); another model file clears it (attach)
+                raise self._error
             return self._tokenizer
 
     def _start(self) -> None:
@@ -122,7 +123,11 @@ class _Tokenizers:
         self.builds += 1
         self._thread = threading.Thread(target=self._build, args=(self._vocab, self._key), name="llguidance-tokenizer",
                                         daemon=True)
-        self._thread.start()
+        try:
+            self._thread.start()
+        except RuntimeError as exc:  # no thread to be had: the waiting request gets the error, nothing waits forever
+            self._thread, self._error = None, exc
+            self._done.set()
 
     def _build(self, vocab: int, key: tuple) -> None:
         started = time.perf_counter()

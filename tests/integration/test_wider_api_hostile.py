@@ -43,6 +43,9 @@ HOSTILE = [
      "grammar"),
     ("/v1/completions", {"prompt": "x", "grammar": "root ::= " + '"a"{1000}' * 5000}, "grammar"),
     ("/v1/completions", {"prompt": "x", "grammar": 'root ::= "' + "a" * 60000 + '"{1000}'}, "grammar"),
+    # ... and from the third: the GBNF reader's time grows with the square of the rules (2,000: ~10 s)
+    ("/v1/completions", {"prompt": "x", "grammar": "".join(f'a{i} ::= "" | "k{i}" a{i + 1}\n' for i in range(600))
+                         + 'a600 ::= "end"\nroot ::= a0\n'}, "grammar"),
     ("/v1/completions", {"prompt": "x", "grammar": "root ::= \"a\"", "json_schema": {"type": "string"}}, "grammar"),
     ("/v1/chat/completions", {"messages": ASK, "tools": [TOOL] * 129}, "tools"),
     ("/v1/chat/completions", {"messages": ASK, "tools": [{"type": "function", "function": {"name": "a b"}}]}, "tools"),

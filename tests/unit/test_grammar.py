@@ -205,3 +205,14 @@ def test_the_daemon_does_not_import_llama_cpp():
             "print(sorted(m for m in sys.modules if m.startswith('llama_cpp')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_a_raw_grammar_within_the_rule_bound_is_read_and_one_past_it_refused():
+    from daemon.grammar.gbnf_check import MAX_RULES, GbnfRefused, check_gbnf
+
+    def chain(n: int) -> str:  # n + 2 rules; the strings' "::=" is not a rule
+        return "".join(f'a{i} ::= "::=" | "k{i}" a{i + 1}\n' for i in range(n)) + f'a{n} ::= "end"\nroot ::= a0\n'
+
+    check_gbnf(chain(MAX_RULES - 2))
+    with pytest.raises(GbnfRefused, match=f"more than {MAX_RULES} rules"):
+        check_gbnf(chain(MAX_RULES - 1))

@@ -47,6 +47,8 @@ def test_embedding_inputs_read_as_llama_server_reads_them(value, prompts):
     ([None], "a prompt is"),
     (["x"] * (MAX_EMBEDDING_INPUTS + 1), "at most"),
     ([1] + ["x"] * (MAX_INPUT_PARTS + 1), "at most"),
+    ([[1, "x", 2, "y"]] * (MAX_INPUT_PARTS // 2 + 1), "in one request"),  # texts counted over all inputs
+    ({"prompt_string": "x", "multimodal_data": ["AAAA"]}, "text only"),  # never dropped in silence
     (3.5, "a prompt is"),
     (True, "a prompt is"),
 ])
@@ -55,6 +57,26 @@ def test_hostile_embedding_inputs_are_refused(value, message):
         embedding_prompts(value)
     with pytest.raises(ValidationError):
         EmbeddingsRequest.model_validate({"input": value})
+
+
+class Untouchable(list):
+    """A huge input whose items must not be walked: its length is all a refusal may read."""
+
+    def __iter__(self):
+        raise AssertionError("the items were walked before the length was checked")
+
+    def __getitem__(self, index):
+        raise AssertionError("an item was read before the length was checked")
+
+
+@pytest.mark.parametrize("head", ["a", 1, [1]])
+def test_a_huge_input_is_refused_by_its_length_before_any_walk(head):
+    huge = Untouchable([head] * 5_000)
+    with pytest.raises(ValueError, match="at most 4096 input items"):
+        embedding_prompts(huge, max_items=4096)
+    context = {"max_prompt_tokens": 4096}
+    with pytest.raises(ValidationError, match="at most 4096"):
+        NativeCompletionRequest.model_validate({"prompt": huge}, context=context)
 
 
 @pytest.mark.parametrize("value, prompt", [

@@ -39,6 +39,9 @@ def test_kwargs_and_reasoning_merge_and_the_last_given_wins():
     assert kwargs_of(argv) == {"enable_thinking": False, "tone": "dry"}
     argv = ["-rea", "off", "--chat-template-kwargs", '{"enable_thinking": true}']
     assert kwargs_of(argv) == {"enable_thinking": True}
+    argv = ["--chat-template-kwargs", '{"enable_thinking": false, "tone": "dry"}', "-rea", "on"]
+    assert kwargs_of(argv) == {"tone": "dry"}  # on, given last, undoes the earlier false
+    assert not kwargs_of(["-rea", "off", "-rea", "auto"])
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -9,8 +9,8 @@ from typing import Annotated, Any, Literal
 from pydantic import ConfigDict, Field, ValidationInfo, field_validator
 
 from daemon.http.core.conversation import Conversation
-from daemon.http.core.schemas import (INT32_MAX, MAX_EMBEDDING_INPUTS, MAX_TOP_LOGPROBS, RequestModel, SamplingFields,
-                                      TokenId, _at_most, _prompt_limit)
+from daemon.http.core.schemas import (INT32_MAX, MAX_EMBEDDING_INPUTS, MAX_PROMPT_TOKENS, MAX_TOP_LOGPROBS,
+                                      RequestModel, SamplingFields, TokenId, _at_most, _prompt_limit)
 
 
 
@@ -52,6 +52,7 @@ class NativeCompletionRequest(SamplingFields):
     @field_validator("prompt", mode="before")
     @classmethod
     def _prompt_size(cls, value: Any, info: ValidationInfo) -> Any:
+        _prompt_limit(value, info, "prompt token ids (ctx_size)")  # the length before any walk over the items
         return _prompt_limit(completion_prompt(value), info, "prompt token ids (ctx_size)")
 
 
@@ -85,6 +86,8 @@ def _token_id(value: Any) -> bool:
 def _object_prompt(value: dict, where: str) -> str:
     """llama-server's object input: {"prompt_string": text} or {"content": [text parts]}. Embeddings read
     text only: an image, audio or video part is refused (no embeddings model here reads media)."""
+    if "multimodal_data" in value:  # never dropped in silence: no embeddings model here reads media
+        raise ValueError(f"{where}.multimodal_data: embeddings read text only")
     if "prompt_string" in value:
         text = value["prompt_string"]
         if not isinstance(text, str):
@@ -120,10 +123,12 @@ def _one_prompt(value: Any, where: str) -> str | list[int | str]:
     raise ValueError(f"{where}: a prompt is a string, a non-empty list of token ids, or an object")
 
 
-def embedding_prompts(value: Any) -> list[str | list[int | str]]:
+def embedding_prompts(value: Any, max_items: int = MAX_PROMPT_TOKENS) -> list[str | list[int | str]]:
     """`input` as llama-server reads it: one prompt (a string, token ids, token ids and strings mixed, an
     object) or a list of them. A list of strings alone is several prompts; a list with both token ids and
-    strings is one."""
+    strings is one. Lengths are checked before any walk over the items (a list of millions is refused in
+    one step), and the texts to tokenize are counted over the whole request (each is a worker query)."""
+    _at_most(value, max_items, "input items (ctx_size)")
     if isinstance(value, list):
         if not value:
             raise ValueError("no input: give a string, token ids, or a list of them")
@@ -131,7 +136,13 @@ def embedding_prompts(value: Any) -> list[str | list[int | str]]:
         if ids and all(_token_id(v) or isinstance(v, str) for v in value):
             return [_one_prompt(value, "input")]
         _at_most(value, MAX_EMBEDDING_INPUTS, "inputs")
-        return [_one_prompt(item, f"input[{i}]") for i, item in enumerate(value)]
+        for i, item in enumerate(value):
+            _at_most(item, max_items, f"items in input[{i}] (ctx_size)")
+        prompts = [_one_prompt(item, f"input[{i}]") for i, item in enumerate(value)]
+        mixed_texts = sum(sum(isinstance(v, str) for v in p) for p in prompts if isinstance(p, list))
+        if mixed_texts > MAX_INPUT_PARTS:
+            raise ValueError(f"at most {MAX_INPUT_PARTS} texts between token ids in one request, got {mixed_texts}")
+        return prompts
     return [_one_prompt(value, "input")]
 
 
@@ -149,7 +160,7 @@ class EmbeddingsRequest(RequestModel):
     @field_validator("input", mode="before")
     @classmethod
     def _prompts(cls, value: Any, info: ValidationInfo) -> Any:
-        prompts = embedding_prompts(value)
+        prompts = embedding_prompts(value, (info.context or {}).get("max_prompt_tokens", MAX_PROMPT_TOKENS))
         for prompt in prompts:
             if isinstance(prompt, list):
                 _prompt_limit(prompt, info, "token ids (ctx_size)")
