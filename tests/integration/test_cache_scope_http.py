@@ -118,7 +118,7 @@ async def test_a_hostile_cache_salt_is_a_400_naming_it(scopes, salt):
 
 
 def test_a_salt_of_1024_characters_is_accepted():
-    from daemon.http.core.conversation import ChatCompletionRequest
+    from daemon.http.dialects.openai.body import ChatCompletionRequest
 
     assert ChatCompletionRequest.model_validate(CHAT | {"cache_salt": "é" * 1024}).cache_salt == "é" * 1024
 

@@ -262,7 +262,7 @@ async def test_huge_bodies_are_refused_or_parsed_without_holding_the_loop(capsys
     """Prints how long parse_body held the event loop for each body (shown with -s);
     asserts only what each body gets."""
     from daemon.http.core.job import parse_body
-    from daemon.http.core.conversation import ChatCompletionRequest
+    from daemon.http.dialects.openai.body import ChatCompletionRequest
     from daemon.http.core.schemas import CompletionRequest
 
     async with daemon(max_body_bytes=8 * 1024 * 1024) as (controller, client):

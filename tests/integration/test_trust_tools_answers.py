@@ -12,8 +12,9 @@ import json
 import pytest
 
 from daemon import protocol as p
-from daemon.http.core import conversation, schemas
+from daemon.http.core import schemas
 from daemon.http.dialects.llama_server import schemas as native_schemas
+from daemon.http.dialects.openai.body import ChatCompletionRequest
 from daemon.model.jobs import Job
 from tests.integration.test_http_hardening import daemon, error_of
 from tests.integration.scripted import scripted  # noqa: F401 (a fixture)
@@ -180,7 +181,7 @@ def optional_fields(model) -> dict:
 
 
 @pytest.mark.parametrize("path, model, required", [
-    ("/v1/chat/completions", conversation.ChatCompletionRequest, {"messages": ASK}),
+    ("/v1/chat/completions", ChatCompletionRequest, {"messages": ASK}),
     ("/v1/completions", schemas.CompletionRequest, {"prompt": "x"}),
     ("/completion", native_schemas.NativeCompletionRequest, {"prompt": "x"}),
 ])
@@ -198,8 +199,8 @@ def test_null_is_unset_in_every_request_object():
     message = {"role": "assistant", "content": None, "name": None, "tool_call_id": None,
                "tool_calls": [{"id": None, "type": None, "function": {"name": "f", "arguments": None}}]}
     tool = {"type": "function", "function": {"name": "f", "description": None, "parameters": None, "strict": None}}
-    chat = conversation.ChatCompletionRequest.model_validate({"messages": [message], "tools": [tool],
-                                                         "stream_options": {"include_usage": None}})
+    chat = ChatCompletionRequest.model_validate({"messages": [message], "tools": [tool],
+                                                 "stream_options": {"include_usage": None}})
     assert chat.messages[0].tool_calls[0].function.arguments == "{}" and chat.tools[0].function.description == ""
     assert chat.temperature == 0.8 and chat.stream is False and chat.parallel_tool_calls is False
     for model, required in ((native_schemas.TokenizeRequest, {"content": "x"}), (native_schemas.DetokenizeRequest, {"tokens": [1]}),

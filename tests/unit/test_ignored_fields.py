@@ -12,7 +12,7 @@ import pytest
 from structlog.testing import capture_logs
 
 from daemon.http.core import schemas
-from daemon.http.core.conversation import ChatCompletionRequest
+from daemon.http.dialects.openai.body import ChatCompletionRequest
 from daemon.http.core.schemas import MAX_IGNORED_NAME_CHARS, MAX_IGNORED_NAMES, CompletionRequest, decode_body
 from daemon.http.dialects.ollama.request import OllamaChatRequest
 

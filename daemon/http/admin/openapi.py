@@ -16,7 +16,6 @@ from typing import Any
 from pydantic.json_schema import models_json_schema
 
 from daemon import __version__
-from daemon.http.core.conversation import ChatCompletionRequest
 from daemon.http.core.schemas import CompletionRequest
 from daemon.http.dialects.llama_server.schemas import (ApplyTemplateRequest, DetokenizeRequest, EmbeddingsRequest,
                                                        NativeCompletionRequest, TokenizeRequest)
@@ -116,6 +115,7 @@ def _request_models() -> list[type]:
     # Imported here: the dialect modules import the routes that serve this document.
     from daemon.http.dialects.anthropic.request import CountTokensRequest, MessagesRequest
     from daemon.http.dialects.llama_server.infill import InfillRequest
+    from daemon.http.dialects.openai.body import ChatCompletionRequest
     from daemon.http.dialects.ollama.request import (OllamaChatRequest, OllamaEmbedRequest, OllamaGenerateRequest,
                                         OllamaLegacyEmbeddingsRequest)
     from daemon.http.dialects.ollama.models import ShowRequest

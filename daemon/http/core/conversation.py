@@ -1,8 +1,9 @@
 """The conversation every chat-like dialect translates its turns into:
 messages (text and image parts), the tools offered and the calls sent back,
-and ChatCompletionRequest, the chat job's body (OpenAI's chat body is the
-lingua franca: Responses, Anthropic Messages and Ollama map onto it). Each
-container is counted before its items are validated (daemon/http/core/schemas.py)."""
+and ChatJobRequest, the chat job's body: every dialect's chat turns map onto
+it, and it is validated and bounded once, here (a dialect may subclass it to
+refuse fields of its own). Each container is counted before its items are
+validated (daemon/http/core/schemas.py)."""
 
 from __future__ import annotations
 
@@ -151,7 +152,7 @@ class Conversation(RequestModel):
 
     messages: Annotated[list[ChatMessageIn], Field(min_length=1, max_length=MAX_MESSAGES)]
     tools: Annotated[list[ToolIn], Field(max_length=MAX_TOOLS)] | None = None
-    # llama-server's template options (daemon/worker/chat.py renders them).
+    # The chat template's options (daemon/worker/chat.py renders them).
     chat_template_kwargs: dict[str, Any] | None = Field(
         None, description=f"variables for the chat template (e.g. enable_thinking): at most {MAX_TEMPLATE_KWARGS}, "
                           f"each value at most {MAX_TEMPLATE_KWARG_BYTES} bytes of JSON")
@@ -187,7 +188,7 @@ class Conversation(RequestModel):
     @field_validator("continue_final_message")
     @classmethod
     def _continuation(cls, value: bool | None, info: ValidationInfo) -> bool | None:
-        """As llama-server's: an assistant message at the end is continued
+        """An assistant message at the end is continued (assistant prefill)
         unless asked otherwise; conflicting asks are refused."""
         messages, opened = info.data.get("messages"), info.data.get("add_generation_prompt")
         if not messages:
@@ -219,25 +220,23 @@ class Conversation(RequestModel):
         return _at_most(value, MAX_TOOLS, "tools")
 
 
-class ChatCompletionRequest(SamplingFields, Conversation):
+class ChatJobRequest(SamplingFields, Conversation):
     max_tokens: int | None = Field(None, ge=1, le=1_000_000)
     max_completion_tokens: int | None = Field(None, ge=1, le=1_000_000)
     tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
-    parallel_tool_calls: bool = Field(False, description="several calls in one answer; false unless asked, as "
-                                                         "llama-server: a forced call is then made once")
-    functions: Any = Field(None, description="refused: OpenAI's deprecated form of tools")
-    function_call: Any = Field(None, description="refused: OpenAI's deprecated form of tool_choice")
+    parallel_tool_calls: bool = Field(False, description="several calls in one answer; false unless asked: "
+                                                         "a forced call is then made once")
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     reasoning_format: Literal["none", "auto", "deepseek", "deepseek-legacy"] = Field(
-        "auto", description="llama-server's: where an answer's thinking goes (message.reasoning_content, or none: "
+        "auto", description="where an answer's thinking goes (message.reasoning_content, or none: "
                             "left in the content)")
 
     @field_validator("top_logprobs")
     @classmethod
     def _needs_logprobs(cls, value: int | None, info: ValidationInfo) -> int | None:
         if value is not None and not info.data.get("logprobs"):
-            raise ValueError("top_logprobs needs logprobs: true")  # as OpenAI: never silently ignored
+            raise ValueError("top_logprobs needs logprobs: true")  # never silently ignored
         return value
 
     @property
@@ -257,13 +256,6 @@ class ChatCompletionRequest(SamplingFields, Conversation):
     def forces_tool_call(self) -> bool:
         """A grammar makes the whole answer the call array."""
         return bool(self.tools) and (self.tool_choice == "required" or isinstance(self.tool_choice, dict))
-
-    @field_validator("functions", "function_call", check_fields=False)
-    @classmethod
-    def _legacy(cls, value: Any, info: ValidationInfo) -> Any:
-        if value is not None:  # never ignored: a client sending them expects a call
-            raise ValueError(f"{info.field_name} is OpenAI's deprecated form of tools; send tools (and tool_choice)")
-        return value
 
     @property
     def token_limit(self) -> int:

@@ -14,7 +14,7 @@ from aiohttp import web
 from pydantic import BaseModel, ValidationError
 
 from daemon.fleet.owner import FleetModel
-from daemon.http.core.conversation import ChatCompletionRequest, ImageRefused
+from daemon.http.core.conversation import ChatJobRequest, ImageRefused
 from daemon.http.core.schemas import BodyError, decode_body, field_name, SamplingFields
 from daemon.http.errors import ApiError
 from daemon.http.keys import CALLER, FLEET, SETTINGS, cache_scope, model_for
@@ -75,7 +75,7 @@ class ToolMode:
 
 
 async def structured_grammar(request: web.Request, body: SamplingFields,
-                             chat: ChatCompletionRequest | None = None) -> str | None:
+                             chat: ChatJobRequest | None = None) -> str | None:
     """The GBNF that enforces the body's response_format, json_schema, grammar
     or forced tool call; None when nothing is constrained. A constraint that
     cannot be enforced is a 400 naming it, never ignored. Built on a thread
@@ -105,7 +105,7 @@ async def structured_grammar(request: web.Request, body: SamplingFields,
                        retry_after=1) from None
 
 
-def tool_mode(body: ChatCompletionRequest) -> ToolMode | None:
+def tool_mode(body: ChatJobRequest) -> ToolMode | None:
     """How to read this answer's tool calls; None: it is all content (no tools,
     tool_choice none, or a JSON response_format, whose answer is the JSON)."""
     json_answer = (body.response_format or {}).get("type") in ("json_object", "json_schema")
@@ -135,7 +135,7 @@ def default_limit(settings, fallback: int) -> int:
     return settings.ctx_size if settings.n_predict < 0 else settings.n_predict
 
 
-def chat_inputs(request: web.Request, chat: ChatCompletionRequest, param: str = "messages") -> tuple[list, list]:
+def chat_inputs(request: web.Request, chat: ChatJobRequest, param: str = "messages") -> tuple[list, list]:
     """(messages, tools) for the worker, for every dialect's chat job. Images are
     counted and their headers read here, so the worker never sees one that is
     refused (a 400 naming `param`, the dialect's name for the turns); tools
@@ -153,11 +153,10 @@ def _same(exc: ApiError) -> ApiError:
     return exc
 
 
-async def chat_job(request: web.Request, chat: ChatCompletionRequest, endpoint: str, param: str = "messages",
+async def chat_job(request: web.Request, chat: ChatJobRequest, endpoint: str, param: str = "messages",
                    rename: Callable[[ApiError], ApiError] = _same) -> tuple[FleetModel, Job]:
-    """The one chat job that chat completions, Responses and Anthropic Messages
-    run: their body translated to `chat`, refusals renamed into the dialect's
-    words by `rename`."""
+    """The one chat job every chat-like dialect runs: its body translated to
+    `chat`, refusals renamed into the dialect's words by `rename`."""
     messages, tools = chat_inputs(request, chat, param)
     try:
         grammar = await structured_grammar(request, chat, chat=chat)
@@ -168,8 +167,20 @@ async def chat_job(request: web.Request, chat: ChatCompletionRequest, endpoint: 
     limit = chat.max_completion_tokens or chat.max_tokens or default_limit(settings, chat.token_limit)
     params = chat.sampling(limit, grammar, chat.wanted_logprobs, defaults=settings)
     if chat.forces_tool_call and params.stop:
-        # A forced call (tool_choice required or named) is the whole answer, as in OpenAI's API: stop strings,
+        # A forced call (tool_choice required or named) is the whole answer: stop strings,
         # which clients send on every call, would cut its JSON, so they do not apply to it.
         params = msgspec.structs.replace(params, stop=[])
     job = model.controller.new_job(endpoint, params, messages=messages, tools=tools, n=chat.n, **chat.template_args())
     return model, job
+
+
+async def input_tokens_answer(request: web.Request, endpoint: str, chat: ChatJobRequest, param: str) -> web.Response:
+    """The prompt tokens `chat` reads (its messages and tools through the
+    model's chat template, images included), as the input_tokens endpoints answer."""
+    from daemon.http.core.run import run_query
+
+    messages, tools = chat_inputs(request, chat, param)
+    model = generation_model(request, chat)
+    job = model.controller.new_query(endpoint, "count_chat", messages=messages, tools=tools, **chat.template_args())
+    answer = await run_query(request, model, job)
+    return web.json_response({"object": "response.input_tokens", "input_tokens": answer.prompt_tokens})

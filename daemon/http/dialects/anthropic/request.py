@@ -34,7 +34,7 @@ from daemon.http.keys import FLEET
 from daemon.http.core.job import chat_inputs, chat_job, generation_model, parse_body, tool_mode
 # Tagged unions (core/tagged.py): a block of an unknown type is refused by what it is.
 from daemon.http.core.tagged import Refused, tagged, union_of
-from daemon.http.core.conversation import ChatCompletionRequest, ChatMessageIn, ImagePart, ImageURL, TextPart
+from daemon.http.core.conversation import ChatJobRequest, ChatMessageIn, ImagePart, ImageURL, TextPart
 from daemon.http.core.schemas import (_at_most, _json_within, CacheSalt, field_name, INT32_MAX, MAX_CONTENT_PARTS,
                                       MAX_MESSAGES, MAX_STOP_CHARS, MAX_STOPS, MAX_TOOL_CALLS, MAX_TOOLS, RequestModel)
 
@@ -412,11 +412,11 @@ class CountTokensRequest(RequestModel):
             data["chat_template_kwargs"] = kwargs
         return data
 
-    def chat_request(self, max_prompt_tokens: int) -> ChatCompletionRequest:
-        """The chat completions request this body means, validated as chat validates one."""
+    def chat_request(self, max_prompt_tokens: int) -> ChatJobRequest:
+        """The chat job this body means, validated as every chat job is."""
         try:
-            return ChatCompletionRequest.model_validate(self.chat_fields(),
-                                                        context={"max_prompt_tokens": max_prompt_tokens})
+            return ChatJobRequest.model_validate(self.chat_fields(),
+                                                 context={"max_prompt_tokens": max_prompt_tokens})
         except ValidationError as exc:
             err = exc.errors()[0]
             name = anthropic_name(field_name(err["loc"]) or "body")

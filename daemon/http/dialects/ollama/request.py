@@ -2,7 +2,7 @@
 
 An Ollama body is validated in its own shape first (so a refusal names
 Ollama's fields: `options.num_predict`, `messages.0.images.1`, `keep_alive`),
-then rewritten as the OpenAI body Dormouse already serves (ChatCompletionRequest
+then rewritten as the core's body Dormouse already serves (ChatJobRequest
 or CompletionRequest) and validated again with its bounds, so every number
 that reaches llama.cpp is bounded once, in schemas.py. What the worker sends
 back is written in Ollama's shapes by answer.py; tags, ps, show and
@@ -51,7 +51,7 @@ from daemon.http.keys import FLEET, require_privilege
 from daemon.http.core.run import run_query
 from daemon.http.dialects.ollama.answer import ChatLines, GenerateLines, answer, check_dimensions, embed_body, load_answer
 from daemon.http.core.job import chat_inputs, generation_model, parse_body, structured_grammar, tool_mode
-from daemon.http.core.conversation import ChatCompletionRequest
+from daemon.http.core.conversation import ChatJobRequest
 from daemon.http.core.schemas import (_at_most, CompletionRequest, field_name, MAX_CONTENT_PARTS, MAX_EMBEDDING_INPUTS,
                                       MAX_MESSAGES, MAX_TOOL_CALLS, MAX_TOOLS, RequestModel)
 from statemachine import ServerState
@@ -445,7 +445,7 @@ async def chat(request: web.Request) -> web.StreamResponse:
             "parallel_tool_calls": True, "logprobs": body.logprobs, "top_logprobs": body.top_logprobs}
     if body.tools:
         data["tools"] = body.tools  # Ollama's tools are OpenAI's; without tool_choice: the model decides
-    openai_body = _validate_as(ChatCompletionRequest, data, request)
+    openai_body = _validate_as(ChatJobRequest, data, request)
     messages = chat_inputs(request, openai_body, "images")[0]
     grammar = await _grammar(request, openai_body, chat=openai_body)
     _generative(request, model, openai_body)
@@ -480,7 +480,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
         return await answer(request, model, job, lines, body.stream, None)
     messages = [OllamaMessage(role="system", content=body.system)] if body.system else []
     messages.append(OllamaMessage(role="user", content=body.prompt, images=body.images))
-    openai_body = _validate_as(ChatCompletionRequest, {**fields, "messages": [m.openai() for m in messages]}, request)
+    openai_body = _validate_as(ChatJobRequest, {**fields, "messages": [m.openai() for m in messages]}, request)
     protocol = chat_inputs(request, openai_body, "images")[0]
     grammar = await _grammar(request, openai_body, chat=openai_body)
     _generative(request, model, openai_body)

@@ -1,4 +1,5 @@
-"""OpenAI-compatible endpoints: /v1/completions, /v1/chat/completions, /v1/models.
+"""OpenAI-compatible endpoints: /v1/completions, /v1/chat/completions (and its
+/input_tokens count), /v1/models.
 
 A handler validates the body, routes it to the model it names (its `model`
 field: an id or an alias; none, or a fleet of one: the default model; an
@@ -14,10 +15,11 @@ from aiohttp import web
 
 from daemon import protocol as p
 from daemon.fleet.owner import FleetModel
-from daemon.http.core.conversation import ChatCompletionRequest
-from daemon.http.core.job import chat_job, default_limit, generation_model, parse_body, structured_grammar, tool_mode
+from daemon.http.core.job import (chat_job, default_limit, generation_model, input_tokens_answer, parse_body,
+                                  structured_grammar, tool_mode)
 from daemon.http.core.schemas import CompletionRequest
 from daemon.http.dialects.openai.answer import run_job
+from daemon.http.dialects.openai.body import ChatCompletionRequest
 from daemon.http.dialects.openai.shapes import ChatShape, CompletionShape, system_fingerprint
 from daemon.http.keys import FLEET, model_for
 
@@ -48,6 +50,12 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
                          reasoning=body.reasoning_format)
 
 
+async def chat_input_tokens(request: web.Request) -> web.Response:
+    """The prompt tokens a chat completions request with this body reads."""
+    chat = await parse_body(request, ChatCompletionRequest)
+    return await input_tokens_answer(request, "chat.input_tokens", chat, "messages")
+
+
 def _model_entry(fleet, model: FleetModel) -> dict:
     return {"id": model.id, "object": "model", "created": int(model.controller.state_since), "owned_by": "dormouse",
             **fleet.describe(model), "meta": model.controller.model_info or None}
@@ -71,5 +79,6 @@ def add_routes(app: web.Application) -> None:
     for prefix in ("/v1", ""):
         app.router.add_post(f"{prefix}/completions", completions)
         app.router.add_post(f"{prefix}/chat/completions", chat_completions)
+        app.router.add_post(f"{prefix}/chat/completions/input_tokens", chat_input_tokens)
         app.router.add_get(f"{prefix}/models", models)
     app.router.add_get("/v1/models/{model_id:.+}", retrieve_model)  # ids may hold '/' (hub-style names)

@@ -27,7 +27,7 @@ from aiohttp import web
 
 from daemon import protocol as p
 from daemon.fleet.owner import FleetModel
-from daemon.http.core.conversation import ChatCompletionRequest
+from daemon.http.core.conversation import ChatJobRequest
 from daemon.http.core.events import (ChoiceReader, End, Event, Failure, TextDelta, ToolCallDelta, Whole, read_events,
                                      token_logprobs, whole_answer)
 from daemon.http.core.job import ToolMode
@@ -45,7 +45,7 @@ def _item_id(prefix: str) -> str:
 class ResponseShape:
     """The response object of one request: what it echoes of the request, and its output items."""
 
-    def __init__(self, job_id: str, model: str, body, chat: ChatCompletionRequest) -> None:
+    def __init__(self, job_id: str, model: str, body, chat: ChatJobRequest) -> None:
         self.id = "resp_" + job_id.split("-", 1)[-1]
         self.created_at = int(time.time())
         self.max_tool_calls = body.max_tool_calls

@@ -1,8 +1,8 @@
-"""OpenAI Responses: POST /v1/responses, and the token counts of a request:
-POST /v1/responses/input_tokens and POST /v1/chat/completions/input_tokens.
+"""OpenAI Responses: POST /v1/responses, and the token count of a request:
+POST /v1/responses/input_tokens (chat completions' own count is the openai dialect's).
 
-A Responses body is translated into the chat completions request it means
-(core/conversation.py's ChatCompletionRequest: messages, tools, tool_choice, response_format,
+A Responses body is translated into the chat job it means
+(core/conversation.py's ChatJobRequest: messages, tools, tool_choice, response_format,
 max_completion_tokens and the sampling fields), which then takes chat's own
 path: its validation, image checks, grammar, tool mode and one chat job
 ("responses"). answer.py writes what comes back in Responses' shapes.
@@ -22,8 +22,8 @@ from pydantic import ConfigDict, Field, ValidationError, ValidationInfo, field_v
 
 from daemon.http.errors import ApiError
 from daemon.http.keys import FLEET
-from daemon.http.core.job import chat_inputs, chat_job, generation_model, parse_body, tool_mode
-from daemon.http.core.conversation import (ChatCompletionRequest, ChatMessageIn, FunctionIn, ImagePart, ImageURL,
+from daemon.http.core.job import chat_job, input_tokens_answer, parse_body, tool_mode
+from daemon.http.core.conversation import (ChatJobRequest, ChatMessageIn, FunctionIn, ImagePart, ImageURL,
                                            TextPart, ToolIn)
 from daemon.http.core.tagged import Refused, tagged, union_of
 from daemon.http.core.schemas import (_at_most, CacheSalt, field_name, MAX_CONTENT_PARTS, MAX_MESSAGES, MAX_TOOL_CALLS,
@@ -260,7 +260,7 @@ def _documented(schema: dict[str, Any]) -> None:
     """/openapi.json: what the validators below accept, not only the types (the
     passed-through sampling fields as chat documents them; refused fields null only)."""
     props = schema["properties"]
-    chat = ChatCompletionRequest.model_json_schema(mode="validation")["properties"]
+    chat = ChatJobRequest.model_json_schema(mode="validation")["properties"]
     for name in SAMPLING_PASSTHROUGH:
         props[name] = chat[name]
     for name, use in MOVED.items():
@@ -442,8 +442,8 @@ class ResponsesRequest(RequestModel):
                                          name=names[item.call_id]))
         return out
 
-    def chat_request(self, max_prompt_tokens: int) -> ChatCompletionRequest:
-        """The chat completions request this body means, validated as chat validates one."""
+    def chat_request(self, max_prompt_tokens: int) -> ChatJobRequest:
+        """The chat job this body means, validated as every chat job is."""
         data: dict[str, Any] = {name: getattr(self, name) for name in SAMPLING_PASSTHROUGH
                                 if getattr(self, name) is not None}
         data.update(model=self.model, messages=self.chat_messages(), stream=self.stream,
@@ -461,7 +461,7 @@ class ResponsesRequest(RequestModel):
         if self.wants_logprobs:
             data.update(logprobs=True, top_logprobs=self.top_logprobs or 0)
         try:
-            return ChatCompletionRequest.model_validate(data, context={"max_prompt_tokens": max_prompt_tokens})
+            return ChatJobRequest.model_validate(data, context={"max_prompt_tokens": max_prompt_tokens})
         except ValidationError as exc:
             err = exc.errors()[0]
             name = responses_name(field_name(err["loc"]) or "body")
@@ -499,33 +499,15 @@ async def responses(request: web.Request) -> web.StreamResponse:
     return await answer(request, model, job, shape, tool_mode(chat), body.stream)
 
 
-async def _count(request: web.Request, endpoint: str, chat: ChatCompletionRequest, param: str) -> web.Response:
-    from daemon.http.core.run import run_query
-
-    messages, tools = chat_inputs(request, chat, param)
-    model = generation_model(request, chat)
-    job = model.controller.new_query(endpoint, "count_chat", messages=messages, tools=tools,
-                                     **chat.template_args())
-    answer = await run_query(request, model, job)
-    # llama-server's and OpenAI's shape.
-    return web.json_response({"object": "response.input_tokens", "input_tokens": answer.prompt_tokens})
-
-
 async def responses_input_tokens(request: web.Request) -> web.Response:
     """The input tokens a Responses request with this body reads (its messages
     and tools through the model's chat template, images included)."""
     body = await parse_body(request, ResponsesRequest)
-    return await _count(request, "responses.input_tokens", body.chat_request(request.app[FLEET].max_ctx_size), "input")
-
-
-async def chat_input_tokens(request: web.Request) -> web.Response:
-    """The prompt tokens a chat completions request with this body reads."""
-    chat = await parse_body(request, ChatCompletionRequest)
-    return await _count(request, "chat.input_tokens", chat, "messages")
+    chat = body.chat_request(request.app[FLEET].max_ctx_size)
+    return await input_tokens_answer(request, "responses.input_tokens", chat, "input")
 
 
 def add_routes(app: web.Application) -> None:
     for prefix in ("/v1", ""):  # llama-server serves each of these unversioned too
         app.router.add_post(f"{prefix}/responses", responses)
         app.router.add_post(f"{prefix}/responses/input_tokens", responses_input_tokens)
-        app.router.add_post(f"{prefix}/chat/completions/input_tokens", chat_input_tokens)
