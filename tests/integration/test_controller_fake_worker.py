@@ -137,6 +137,10 @@ async def test_wake_timeout_gives_503_with_retry_after(monkeypatch):
         await ready(controller)
         assert await controller.wait_for(lambda s: s is ServerState.SLEEPING, 10)
         monkeypatch.setenv("FAKE_LOAD_SECONDS", "2")
+        # This test is the wait that runs out. On a busy machine the first wake itself can take over
+        # 0.3 s, and a wake predicted from it is refused at once (wake_too_slow: tests/integration/
+        # test_wake_refusal.py), before any wait: that prediction is switched off here.
+        monkeypatch.setattr(controller, "too_slow", lambda max_wait: None)
         response = await complete(client)
         assert response.status == 503
         assert response.headers["Retry-After"]
