@@ -253,6 +253,15 @@ async def whole_answer(job: Job, item, n: int = 1) -> Whole:
     return gather([event async for event in read_events(job, item, [ChoiceReader(i) for i in range(n)])], n)
 
 
+async def whole_or_error(job: Job, item, n: int = 1) -> Whole:
+    """The whole answer, or the ApiError of a job that failed midway (a dialect with its own error shape
+    reads whole_answer's failure itself)."""
+    whole = await whole_answer(job, item, n)
+    if whole.failure is not None:
+        raise whole.failure.error
+    return whole
+
+
 # -- figures more than one dialect reports alike -------------------------------------------------
 
 def piece_text(piece: bytes) -> str:

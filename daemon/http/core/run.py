@@ -98,6 +98,14 @@ def _without_cache_counts(job: Job) -> None:
     job._counts_hidden = True  # type: ignore[attr-defined]
 
 
+async def first_answer_item(request: web.Request, model: FleetModel, job: Job):
+    """The job's first item, or the ApiError of a job that failed before its answer began."""
+    item = await first_item(request, model, job)
+    if is_failure(item):
+        raise failure_error(item)
+    return item
+
+
 async def run_query(request: web.Request, model: FleetModel, job: Job) -> p.Answer:
     """The worker's Answer, or the ApiError that says why there is none."""
     async with tracked(request, model, job):

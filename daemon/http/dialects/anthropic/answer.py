@@ -28,9 +28,9 @@ from aiohttp import web
 from daemon import protocol as p
 from daemon.fleet.owner import FleetModel
 from daemon.http.core.events import (ChoiceReader, End, Event, Failure, ReasoningDelta, Start, TextDelta,
-                                     ToolCallDelta, Whole, read_events, whole_answer)
+                                     ToolCallDelta, Whole, read_events, whole_or_error)
 from daemon.http.core.job import ToolMode
-from daemon.http.core.run import failure_error, first_item, is_failure, open_event_stream, tracked
+from daemon.http.core.run import failure_error, first_answer_item, open_event_stream, tracked
 from daemon.model.jobs import Job
 from daemon.tools.parse import ParsedCall
 from daemon.tools.reasoning import ReasoningMode
@@ -89,13 +89,9 @@ class MessageShape:
 async def answer(request: web.Request, model: FleetModel, job: Job, shape: MessageShape, tools: ToolMode | None,
                  stream: bool) -> web.StreamResponse:
     async with tracked(request, model, job, stream):
-        item = await first_item(request, model, job)
-        if is_failure(item):
-            raise failure_error(item)
+        item = await first_answer_item(request, model, job)
         if not stream:
-            whole = await whole_answer(job, item)
-            if whole.failure is not None:
-                raise whole.failure.error
+            whole = await whole_or_error(job, item)
             return web.json_response(whole_body(whole, shape, tools))
         response = await open_event_stream(request, job)
         blocks = BlockStream(response.write, shape)

@@ -29,9 +29,9 @@ from daemon import protocol as p
 from daemon.fleet.owner import FleetModel
 from daemon.http.errors import ApiError
 from daemon.http.core.events import (ChoiceReader, End, Event, Failure, TextDelta, Whole, read_events, token_logprobs,
-                                     whole_answer)
+                                     whole_or_error)
 from daemon.http.core.job import ToolMode
-from daemon.http.core.run import failure_error, first_item, is_failure, tracked
+from daemon.http.core.run import first_answer_item, tracked
 from daemon.model.controller import Controller
 from daemon.model.jobs import Job
 from daemon.tools.parse import ParsedCall, new_call_id
@@ -123,13 +123,9 @@ def _done_reason(reason: str) -> str:
 async def answer(request: web.Request, model: FleetModel, job: Job, lines: _Lines, stream: bool,
                  tools: ToolMode | None) -> web.StreamResponse:
     async with tracked(request, model, job, stream):
-        item = await first_item(request, model, job)
-        if is_failure(item):
-            raise failure_error(item)
+        item = await first_answer_item(request, model, job)
         if not stream:
-            whole = await whole_answer(job, item)
-            if whole.failure is not None:
-                raise whole.failure.error
+            whole = await whole_or_error(job, item)
             return web.json_response(whole_body(whole, lines, job, tools))
         response = web.StreamResponse(headers={"Content-Type": "application/x-ndjson", "Cache-Control": "no-cache",
                                                "X-Request-Id": job.id})

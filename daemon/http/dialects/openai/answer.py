@@ -13,9 +13,9 @@ from aiohttp import web
 from daemon import protocol as p
 from daemon.fleet.owner import FleetModel
 from daemon.http.core.events import (ChoiceReader, End, Event, Failure, ReasoningDelta, TextDelta, ToolCallDelta,
-                                     Whole, read_events, whole_answer)
+                                     Whole, read_events, whole_or_error)
 from daemon.http.core.job import ToolMode
-from daemon.http.core.run import failure_error, first_item, is_failure, open_event_stream, tracked
+from daemon.http.core.run import first_answer_item, open_event_stream, tracked
 from daemon.http.dialects.openai.shapes import _Shape
 from daemon.model.jobs import Job
 from daemon.tools.parse import new_call_id, stream_deltas
@@ -37,14 +37,10 @@ async def run_job(request: web.Request, model: FleetModel, job: Job, shape: _Sha
     """tools: the output may hold tool calls (chat with tools). reasoning: a
     chat's reasoning_format (daemon/tools/reasoning.py); None: no thinking read out."""
     async with tracked(request, model, job, stream):
-        item = await first_item(request, model, job)
-        if is_failure(item):
-            raise failure_error(item)
+        item = await first_answer_item(request, model, job)
         n = job.submit.n
         if not stream:
-            whole = await whole_answer(job, item, n)
-            if whole.failure is not None:
-                raise whole.failure.error
+            whole = await whole_or_error(job, item, n)
             return web.json_response(whole_body(whole, shape, tools, reasoning))
         response = await open_event_stream(request, job)
         writer = ChunkWriter(response.write, shape, n, include_usage, tools)

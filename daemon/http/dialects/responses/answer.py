@@ -29,9 +29,9 @@ from daemon import protocol as p
 from daemon.fleet.owner import FleetModel
 from daemon.http.core.conversation import ChatJobRequest
 from daemon.http.core.events import (ChoiceReader, End, Event, Failure, TextDelta, ToolCallDelta, Whole, read_events,
-                                     token_logprobs, whole_answer)
+                                     token_logprobs, whole_or_error)
 from daemon.http.core.job import ToolMode
-from daemon.http.core.run import failure_error, first_item, is_failure, open_event_stream, tracked
+from daemon.http.core.run import first_answer_item, open_event_stream, tracked
 from daemon.model.jobs import Job
 from daemon.tools.parse import new_call_id
 
@@ -102,13 +102,9 @@ def _status(reason: str) -> str:
 async def answer(request: web.Request, model: FleetModel, job: Job, shape: ResponseShape, tools: ToolMode | None,
                  stream: bool) -> web.StreamResponse:
     async with tracked(request, model, job, stream):
-        item = await first_item(request, model, job)
-        if is_failure(item):
-            raise failure_error(item)
+        item = await first_answer_item(request, model, job)
         if not stream:
-            whole = await whole_answer(job, item)
-            if whole.failure is not None:
-                raise whole.failure.error
+            whole = await whole_or_error(job, item)
             return web.json_response(whole_body(whole, shape, tools))
         response = await open_event_stream(request, job)
         output = OutputStream(shape, _Events(response.write), tools)
