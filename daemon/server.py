@@ -193,7 +193,6 @@ async def serve(settings: Settings, plans: list[ModelPlan], reload_settings: Cal
                     fix="socket activation: set the address in dormouse.socket's ListenStream (systemctl edit dormouse.socket)")
     log.info("http.listening", addresses=[f"{a[0]}:{a[1]}" for a in bound], socket_activated=sock is not None,
              models={p.id: p.model_path for p in plans}, sleep_idle_seconds=settings.sleep_idle_seconds)
-    await warn_untemplated(plans, log)
     agent = None
     if settings.agent_port:
         try:
@@ -208,6 +207,7 @@ async def serve(settings: Settings, plans: list[ModelPlan], reload_settings: Cal
     owners = {asyncio.create_task(m.controller.run(load_at_start=m.load_at_start), name=f"controller-{m.id}")
               for m in fleet.models.values()}
     watchdog = asyncio.create_task(_watchdog(notifier)) if watchdog_interval() else None
+    await warn_untemplated(plans, log)  # once the loads are under way: the header reads never delay them
 
     stop_wait = asyncio.create_task(stop.wait())
     done, _ = await asyncio.wait({*owners, planner, stop_wait}, return_when=asyncio.FIRST_COMPLETED)
