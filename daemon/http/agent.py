@@ -47,7 +47,16 @@ agent makes before it breaks: a line keeps answering 100% for
 TIER_HOLD_SECONDS after its model moved from its tier to a warmer one on
 this replica. That only ever points at this replica, which is now a better
 choice still. Moves to a colder tier (busy, asleep after idle, stopping,
-failed) take effect at once.
+failed) take effect at once, but for one: a wake that ends busy (more
+requests came during it than it has slots) keeps its warm line on for
+WOKEN_BUSY_HOLD_SECONDS. A request that HAProxy retries stays in the backend
+it entered, and a refused connection is retried after HAProxy's turn-around
+of 1 s (min(timeout connect, 1 s)): a replica killed while it woke a model
+sends its requests on to the next replica, which wakes with more requests
+than slots; its slots free up in a moment, but until its serve line has been
+asked again every line of the model is at 0 and the late retry is answered
+503 (measured: 1 request of 6, under load). Going busy from serving sheds at
+once: a replica at its slots' limit must leave the ring.
 
 A line that names no model (an older configuration, or a plain
 `agent-check`) gets the answer for the process: awake if any model is. A
@@ -90,6 +99,10 @@ QUESTION_MAX_BYTES = 256
 # Two of haproxy.cfg's agent-inter (500 ms): by then the warmer tier's line has
 # been asked at least once (tests/unit/test_deploy_haproxy.py checks the two).
 TIER_HOLD_SECONDS = 1.0
+# HAProxy's turn-around before it retries a refused connection (1 s), plus an
+# agent-inter for the serve line to be asked once the woken model's slots free
+# up, with room to spare (tests/unit/test_deploy_haproxy.py checks it against haproxy.cfg).
+WOKEN_BUSY_HOLD_SECONDS = 2.0
 # The tiers a model can take requests in on a replica, coldest first.
 WARMTH = {WAKE: 0, WARM: 1, SERVE: 2}
 
@@ -229,9 +242,12 @@ class Agent:
         before = self._tiers.get(key)
         if tier != before:
             self._tiers[key] = tier
+            busy = tier is None and snapshot is not None and snapshot.state == "ready"
             if before in WARMTH and tier in WARMTH and WARMTH[tier] > WARMTH[before]:
                 self._held.setdefault(key, {})[before] = now + TIER_HOLD_SECONDS  # make before break
-            else:
+            elif before == WARM and busy:
+                self._held.setdefault(key, {})[WARM] = now + WOKEN_BUSY_HOLD_SECONDS  # a wake that ends busy
+            elif not (before is None and tier == SERVE):  # busy -> free keeps what it held
                 self._held.pop(key, None)  # colder, or out of every tier: at once
         until = self._held.get(key, {}).get(question.role)
         if answer == OFF and until is not None and now < until:

@@ -10,7 +10,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from daemon.http.agent import (DOWN, FULL, OFF, OVERFLOW, SERVE, TIER_HOLD_SECONDS, WAKE, WARM, Agent, Question,
+from daemon.http.agent import (DOWN, FULL, OFF, OVERFLOW, SERVE, TIER_HOLD_SECONDS, WAKE, WARM, WOKEN_BUSY_HOLD_SECONDS,
+                                Agent, Question,
                                ReplicaSnapshot, agent_reply, parse_question, parse_role, snapshot_of, start_agent)
 from statemachine import ServerState as S
 
@@ -288,3 +289,33 @@ def test_busy_sheds_at_once_and_the_drain_clears_every_hold():
     answers(agent, "chat")
     agent.drain()
     assert answers(agent, "chat") == [OFF] * 4 and answers(agent, "coder") == [OFF] * 4
+
+
+def test_a_wake_that_ends_busy_keeps_its_warm_line_for_haproxys_late_retries():
+    """A replica that woke with more requests than slots: its warm line stays
+    on for WOKEN_BUSY_HOLD_SECONDS (HAProxy retries a refused connection after
+    1 s, within the backend it chose), also once a slot frees, until the serve
+    line has surely been asked again; then the table's answer."""
+    states = {"chat": S.SLEEPING, "coder": S.SLEEPING}
+    agent, clock = held_agent(states)
+    answers(agent, "chat")
+    states["chat"] = S.WAKING
+    answers(agent, "chat")
+    busy = lambda: snapshot_of([controller(S.READY, model_id="chat", parallel=1, in_flight=1),  # noqa: E731
+                                controller(S.SLEEPING, model_id="coder")])
+    agent._snapshot = busy
+    assert answers(agent, "chat")[:2] == [OFF, FULL]  # busy, and the warm line still on
+    clock.now += WOKEN_BUSY_HOLD_SECONDS / 2
+    agent._snapshot = lambda: snapshot_of([controller(S.READY, model_id="chat"), controller(S.SLEEPING, model_id="coder")])
+    assert answers(agent, "chat")[:2] == [FULL, FULL]  # a slot free: serve on, warm still held
+    clock.now += WOKEN_BUSY_HOLD_SECONDS
+    assert answers(agent, "chat")[:3] == [FULL, OFF, OFF]  # the hold is over
+
+
+def test_busy_from_serving_holds_nothing():
+    states = {"chat": S.READY, "coder": S.SLEEPING}
+    agent, clock = held_agent(states)
+    assert answers(agent, "chat")[:3] == [FULL, OFF, OFF]
+    agent._snapshot = lambda: snapshot_of([controller(S.READY, model_id="chat", parallel=1, in_flight=1),
+                                           controller(S.SLEEPING, model_id="coder")])
+    assert answers(agent, "chat") == [OFF, OFF, OFF, FULL]  # off the ring at once: bounded load

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from config.models import MODEL_ID
-from daemon.http.agent import ROLES, TIER_HOLD_SECONDS
+from daemon.http.agent import ROLES, TIER_HOLD_SECONDS, WOKEN_BUSY_HOLD_SECONDS
 
 ROOT = Path(__file__).resolve().parents[2]
 HAPROXY_DIR = ROOT / "deploy" / "haproxy"
@@ -149,6 +149,16 @@ def test_the_agents_hold_outlasts_two_agent_intervals():
     new tier's line has surely been asked (daemon/http/agent.py)."""
     (inter,) = re.findall(r"agent-inter (\d+)ms", CFG.read_text())
     assert TIER_HOLD_SECONDS >= 2 * int(inter) / 1000
+
+
+def test_a_woken_busy_replica_holds_past_haproxys_turn_around():
+    """HAProxy retries a refused connection after min(timeout connect, 1 s);
+    the warm line of a wake that ended busy stays on past that and one more
+    agent interval (daemon/http/agent.py)."""
+    text = CFG.read_text()
+    (inter,) = re.findall(r"agent-inter (\d+)ms", text)
+    (connect,) = re.findall(r"timeout connect (\d+)s", text)
+    assert WOKEN_BUSY_HOLD_SECONDS > min(int(connect), 1) + int(inter) / 1000
 
 
 def test_the_description_uses_the_daemons_names():
