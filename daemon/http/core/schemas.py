@@ -246,7 +246,7 @@ class SamplingFields(RequestModel):
     top_p: float = Field(0.95, gt=0.0, le=1.0)
     top_k: int = Field(40, ge=0, le=INT32_MAX)
     min_p: float = Field(0.05, ge=0.0, le=1.0)
-    seed: int | None = Field(None, ge=-1, le=2**63 - 1, description="-1: random (llama-server's)")
+    seed: int | None = Field(None, ge=-1, le=2**63 - 1, description="-1: a random seed")
     stop: Stop = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -257,7 +257,7 @@ class SamplingFields(RequestModel):
     logit_bias: (Annotated[dict[str, float | Literal[False]], Field(max_length=MAX_LOGIT_BIAS)]
                  | Annotated[list[tuple[TokenId | Annotated[str, Field(min_length=1, max_length=MAX_BIAS_TEXT_CHARS)],
                                         float | Literal[False]]], Field(max_length=MAX_LOGIT_BIAS)]
-                 | None) = Field(None, description="token id (or, as llama-server, text: its tokens) -> bias in "
+                 | None) = Field(None, description="token id (or a text: each of its tokens) -> bias in "
                                                    "[-100, 100], or false to ban it; an object or a list of pairs")
     ignore_eos: bool = False
     n: int = Field(1, ge=1, le=MAX_CHOICES, description="choices from one prompt; at most the model's slots")
@@ -265,8 +265,8 @@ class SamplingFields(RequestModel):
     response_format: dict[str, Any] | None = Field(
         None, description='{"type": "text"}, {"type": "json_object"} or {"type": "json_schema", "json_schema": '
                           '{"name", "schema", "strict"}}: enforced by a grammar on the sampler')
-    json_schema: dict[str, Any] | None = Field(None, description="llama-server's: the output matches this JSON schema")
-    grammar: str | None = Field(None, description="llama-server's: a GBNF grammar (root rule `root`) the output matches")
+    json_schema: dict[str, Any] | None = Field(None, description="the output matches this JSON schema")
+    grammar: str | None = Field(None, description="a GBNF grammar (root rule `root`) the output matches")
     cache_salt: CacheSalt | None = None
 
     @field_validator("stop", mode="before")
