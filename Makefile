@@ -15,7 +15,7 @@ BIN := $(VENV)/bin
 export CMAKE_ARGS ?= -DGGML_NATIVE=OFF
 ARGS ?=
 
-.PHONY: serve test test-fast bench docs venv clean
+.PHONY: serve test test-fast soak bench docs venv clean
 
 $(BIN)/python:
 	@$(PYTHON) -m venv $(VENV) || { rm -rf $(VENV); echo "make: '$(PYTHON) -m venv' failed: on Debian or Ubuntu \
@@ -44,6 +44,11 @@ test: $(VENV)/.installed-test
 
 test-fast: $(VENV)/.installed-test
 	$(BIN)/python -m pytest -ra -m "not e2e and not reliability" $(ARGS)
+
+# The end-to-end and reliability tests with their long loops at their long counts
+# (tests/soak.py: about twice as many rounds; not part of `make test`).
+soak: $(VENV)/.installed-test
+	DORMOUSE_SOAK=1 $(BIN)/python -m pytest -ra --durations=15 -m "e2e or reliability" $(ARGS)
 
 bench: $(VENV)/.installed-test $(VENV)/.installed-bench
 	$(BIN)/python -m bench.report $(ARGS)

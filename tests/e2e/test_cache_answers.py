@@ -31,6 +31,7 @@ import pytest
 
 from tests.answer_match import Match, Mismatch, match_until_tie
 from tests.metrics_text import value
+from tests.soak import rounds
 
 pytestmark = pytest.mark.e2e
 
@@ -250,13 +251,14 @@ def seed(default: int) -> int:
     return random.SystemRandom().randrange(2**32) if chosen == "random" else int(chosen)
 
 
-# Both runs begin with what reviews found, then draw: a conversation past the window,
+# Both runs begin with what reviews found: a conversation past the window,
 # saved at a sleep, and its next turn (a restore that lacks its first positions would
 # land in other cells and round otherwise); its slots given away (back from RAM); the
-# RAM tier pushed past its budget and a restart (back from disk).
+# RAM tier pushed past its budget and a restart (back from disk). Then they draw a
+# few more steps (12 in all under `make soak`; any seed with DORMOUSE_PROPERTY_SEED=random).
 @pytest.mark.parametrize("deterministic, batch_size, steps, default_seed, script", [
-    (True, 128, 12, 16, ("long", "sleep turn", "away", "evict turn", "restart edit")),
-    (False, 512, 12, 17, ("long", "sleep regenerate", "turn", "away edit", "evict regenerate", "restart edit")),
+    (True, 128, rounds(7, 12), 16, ("long", "sleep turn", "away", "evict turn", "restart edit")),
+    (False, 512, rounds(10, 12), 17, ("long", "sleep regenerate", "turn", "away edit", "evict regenerate", "restart edit")),
 ])
 def test_the_cache_never_changes_a_deterministic_answer(start_daemon, tmp_path, deterministic, batch_size, steps,
                                                         default_seed, script):

@@ -8,6 +8,7 @@ import psutil
 import pytest
 
 from tests.e2e.test_walking_daemon import metric
+from tests.soak import rounds
 
 pytestmark = pytest.mark.e2e
 
@@ -60,20 +61,23 @@ def test_sleep_report_lists_six_steps_with_draft_and_projector(start_daemon, bun
     assert body["last_sleep"]["memory_returned"]["process_gone"] is True
 
 
+CYCLES = rounds(8, 12)
+
+
 def test_sleep_wake_cycles_with_draft_and_projector_keep_daemon_rss_and_fds_flat(start_daemon, bundled_model, projector):
     d = start_daemon("--sleep-idle-seconds", "-1", "--model-draft", bundled_model, "--mmproj", projector)
     d.wait_state("ready")
     daemon = psutil.Process(d.pid)
     samples = []
     # tests/reliability/test_wake_drift.py runs 100 cycles of the draft alone; these add the projector.
-    for cycle in range(12):
+    for cycle in range(CYCLES):
         assert d.http.post("/sleep").status_code == 200
         r = d.http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 4})
         assert r.status_code == 200
-        if cycle in (3, 11):
+        if cycle in (2, CYCLES - 1):
             samples.append((daemon.memory_info().rss, daemon.num_fds()))
     (rss_a, fds_a), (rss_b, fds_b) = samples
-    print(f"\n[12 cycles] daemon rss MiB {rss_a >> 20} -> {rss_b >> 20}, fds {fds_a} -> {fds_b}")
+    print(f"\n[{CYCLES} cycles] daemon rss MiB {rss_a >> 20} -> {rss_b >> 20}, fds {fds_a} -> {fds_b}")
     assert rss_b <= rss_a * 1.05
     assert fds_b <= fds_a * 1.05
 

@@ -1,4 +1,4 @@
-"""The fleet under a random mix: 300 requests over the three models of the
+"""The fleet under a random mix: 150 requests (300 under `make soak`) over the three models of the
 fleet tests (tests/fixtures/fleet.py: the bundled model under two contexts
 and the tiny random llama), 1 to 4 at a time, against a memory budget that
 fits any two of them. Seeded, so a failure replays.
@@ -7,7 +7,7 @@ Checked: no request fails (a 503 with Retry-After that the client retried is
 counted apart, as a retry, not an error; here a retry means a stall, and
 fails the test too); never more than one load at a time (the daemon's own
 high-water mark, and a scrape every 50 ms); the daemon's RSS and open fds
-are flat between request 50 and request 300.
+are flat between request 50 and the last.
 Printed: wakes and evictions per model, load waits, retries, latency, wall time.
 """
 
@@ -35,10 +35,11 @@ from tests.fixtures.fleet import (
 )
 from tests.fixtures.tiny_model import write_tiny_model
 from tests.metrics_text import value
+from tests.soak import rounds
 
 pytestmark = pytest.mark.reliability
 
-REQUESTS = 300
+REQUESTS = rounds(150, 300)
 SEED = 1203
 MAX_RETRIES = 3  # per request; only for a 503 that says when to come back
 STICKY = 0.6  # how often a request asks for the same model as the one before it
@@ -52,7 +53,7 @@ def make_trace(rng: random.Random, n: int) -> list[list[dict]]:
     """Batches of 1-4 concurrent requests, each for a random model, endpoint and
     length. Six times in ten a request asks for the model the one before it
     asked for, as traffic does (a conversation's turns): fewer swaps than a
-    uniform mix, so 300 requests fit in a few minutes on 2 cores, and still
+    uniform mix, so the requests fit in a few minutes on 2 cores, and still
     dozens of them."""
     batches, left, model = [], n, rng.choice(FITS_TWO)
     while left:
@@ -115,7 +116,7 @@ def settle(d: DaemonProcess) -> tuple[int, int, int]:
     return daemon.memory_info().rss, daemon.num_fds(), len(daemon.children())
 
 
-def test_300_requests_over_three_models_with_room_for_two(tmp_path, bundled_model):
+def test_a_random_mix_over_three_models_with_room_for_two(tmp_path, bundled_model):
     tiny = write_tiny_model(tmp_path / "tiny-llama.gguf")
     toml, budget, sizes = fleet_config(tmp_path, three_models(bundled_model, str(tiny)))
     rng = random.Random(SEED)
@@ -151,7 +152,7 @@ def test_300_requests_over_three_models_with_room_for_two(tmp_path, bundled_mode
                 if done >= 50 and "at 50" not in samples:
                     samples["at 50"] = (done, *settle(d))
         wall = time.monotonic() - began
-        samples["at 300"] = (done, *settle(d))
+        samples["at end"] = (done, *settle(d))
         stop.set()
         watcher.join(60)
         text = d.http.get("/metrics").text
@@ -166,7 +167,7 @@ def test_300_requests_over_three_models_with_room_for_two(tmp_path, bundled_mode
     assert code == 0, d.log()[-3000:]
 
     latencies = sorted(outcome.latencies)
-    (n_a, rss_a, fds_a, kids_a), (n_b, rss_b, fds_b, kids_b) = samples.get("at 50", (0,) * 4), samples["at 300"]
+    (n_a, rss_a, fds_a, kids_a), (n_b, rss_b, fds_b, kids_b) = samples.get("at 50", (0,) * 4), samples["at end"]
     figures("fleet mix", requests=REQUESTS, batches=len(batches), budget=mib(budget),
             predicted={m: mib(sizes[m]) for m in FITS_TWO}, wall_seconds=round(wall, 1),
             errors=len(outcome.errors), retries=outcome.retries,

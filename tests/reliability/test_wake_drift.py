@@ -1,5 +1,5 @@
-"""No drift across sleep/wake cycles: 48 cycles in CI (or the time budget, whichever
-comes first) of the bundled model with a draft, through every tier in turn
+"""No drift across sleep/wake cycles: 18 cycles in `make test`, 48 under `make soak`
+(or the time budget, whichever comes first) of the bundled model with a draft, through every tier in turn
 (drowsy, light, deep). After each sleep: the daemon's RSS (against the first
 cycle of the same tier), and (where NVML
 exists) the old worker's GPU bytes; after each wake: the greedy answer, its
@@ -11,7 +11,7 @@ asserted: a time on a shared machine measures the neighbours (a CI run at load
 1.7 on 2 cores read 66 -> 70 CPU ms/token with nothing drifted); what would make
 a worker slower (memory or threads piling up) is counted instead.
 
-DORMOUSE_DRIFT_CYCLES (default 48: 16 per tier; 100 or more for the long run) and DORMOUSE_DRIFT_SECONDS (default 300)
+DORMOUSE_DRIFT_CYCLES (default 18, 6 per tier; 48 under `make soak`; 100 or more for the long run) and DORMOUSE_DRIFT_SECONDS (default 300)
 bound it; at least MIN_CYCLES must run."""
 
 import os
@@ -22,6 +22,7 @@ import psutil
 import pytest
 
 from tests.reliability.test_reliability import figures
+from tests.soak import rounds
 
 pytestmark = [pytest.mark.reliability, pytest.mark.timeout(900)]
 MIN_CYCLES = 12
@@ -41,7 +42,7 @@ def wait_for_spare(d, timeout: float = 30) -> None:
 
 
 def test_sleep_wake_cycles_do_not_drift(start_daemon, bundled_model):
-    cycles = int(os.environ.get("DORMOUSE_DRIFT_CYCLES", "48"))
+    cycles = int(os.environ.get("DORMOUSE_DRIFT_CYCLES", str(rounds(18, 48))))
     budget = float(os.environ.get("DORMOUSE_DRIFT_SECONDS", "300"))
     d = start_daemon("--sleep-idle-seconds", "-1", "--model-draft", bundled_model, "--parallel", "1",
                      env={"DORMOUSE_DEEP_AFTER": "-1", "DORMOUSE_KV_CACHE_DISK_BYTES": "0"})
