@@ -207,6 +207,7 @@ class Query(Message):
       tokenize        text: str, add_special: bool, with_pieces: bool
       detokenize      tokens: list[int]
       apply_template  messages: list[ChatMessage], tools: list[Tool]
+      render_chat     as apply_template, images allowed (their markers in the text): a chat request's own prompt
       count_chat      messages, tools: Answer.prompt_tokens is what a chat request with them reads (images included)
       embed           inputs: list[str | list[int]]; truncate: a text input longer than the limit is cut at its end
       rerank          text: the query, inputs: the documents (a model loaded with pooling = "rank")

@@ -72,7 +72,7 @@ LLAMA_SERVER_PATHS = frozenset({"/tokenize", "/detokenize", "/apply-template", "
                                 "/responses", "/responses/input_tokens", "/chat/completions/input_tokens"})
 API_PREFIXES = ("/v1/", "/api/")
 # Their endpoint names in logs and metrics labels (as the jobs' names: a handler names its job the same).
-GENERATION_ENDPOINTS = {"/v1/completions": "completions", "/completions": "completions",
+GENERATION_ENDPOINTS = {"/v1/completions": "completions", "/completions": "completion",
                         "/v1/chat/completions": "chat.completions", "/chat/completions": "chat.completions",
                         "/v1/embeddings": "embeddings", "/embeddings": "embeddings", "/completion": "completion",
                         "/tokenize": "tokenize", "/detokenize": "detokenize", "/apply-template": "apply-template",

@@ -145,9 +145,9 @@ class Engine(PromptText, SlotAssignment):
             self._check_vocab(msg.tokens)
             data = b"".join(self.token_bytes(t, special=True) for t in msg.tokens)
             return p.Answer(msg.request_id, text=data.decode("utf-8", errors="replace"))
-        if msg.kind == "apply_template":
+        if msg.kind in ("apply_template", "render_chat"):  # render_chat: a chat request's own prompt (__verbose)
             text, images = self.chat_prompt(msg)
-            if images:
+            if images and msg.kind == "apply_template":
                 raise RequestError("/apply-template renders text only: the messages have images")
             return p.Answer(msg.request_id, text=text)
         if msg.kind in ("slot_save", "slot_restore", "slot_erase"):  # POST /slots/{id} (llama-server's)

@@ -112,3 +112,14 @@ def test_overflow_on_completion_counts_the_prompt_as_llama_server(daemon):
     listed = daemon.http.post("/completion", json={"prompt": [1] * 600}).json()["error"]
     assert (listed["n_prompt_tokens"], listed["n_ctx"]) == (600, 512)
     assert post(daemon, "/completion", prompt=PROMPT, n_predict=1)["stop"] is True
+
+
+def test_verbose_shows_the_prompt_the_worker_rendered(daemon):
+    """`"verbose": true` (llama-server's debug echo): the chat prompt as the model's template rendered it,
+    read back from the worker, beside an answer to the same request."""
+    messages = [{"role": "system", "content": "Book"}, {"role": "user", "content": "What is the best book"}]
+    body = post(daemon, "/v1/chat/completions", messages=messages, max_tokens=2, verbose=True)
+    prompt = body["__verbose"]["prompt"]
+    assert prompt.index("Book") < prompt.index("What is the best book")
+    assert body["choices"][0]["message"]["role"] == "assistant" and body["usage"]["prompt_tokens"] > 5
+    assert "__verbose" not in post(daemon, "/v1/chat/completions", messages=messages, max_tokens=2)

@@ -50,7 +50,7 @@ def fake_answer(query: p.Query) -> p.Answer:
                         pieces=[w.encode() for w in words] if query.with_pieces else [])
     if query.kind == "detokenize":
         return p.Answer(query.request_id, text=" ".join(f"w{t}" for t in query.tokens))
-    if query.kind == "apply_template":
+    if query.kind in ("apply_template", "render_chat"):
         return p.Answer(query.request_id, text="".join(f"{m.role}: {m.content}\n" for m in query.messages))
     if query.kind == "count_chat":  # a word per token, as tokenize
         return p.Answer(query.request_id, prompt_tokens=sum(

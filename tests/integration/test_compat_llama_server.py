@@ -59,7 +59,9 @@ async def test_unversioned_aliases_answer_as_their_v1_forms(submits):
         chat = await client.post("/chat/completions", json={"messages": ASK, "max_tokens": 2})
         assert chat.status == 200 and (await chat.json())["object"] == "chat.completion"
         text = await client.post("/completions", json={"prompt": "hi", "max_tokens": 2})
-        assert text.status == 200 and (await text.json())["object"] == "text_completion"
+        native = await text.json()  # llama-server's native completion there, as on /completion (OpenAI's: /v1/)
+        assert text.status == 200 and isinstance(native["content"], str) and "object" not in native
+        assert native["tokens_predicted"] == 2 and native["stop"] is True
         listed = await (await client.get("/models")).json()
         assert listed == await (await client.get("/v1/models")).json() and listed["data"][0]["id"] == "fake"
         health = await client.get("/v1/health")
@@ -470,3 +472,67 @@ async def test_overflow_on_completion_is_llama_servers_error():
         assert openai["code"] == "context_length_exceeded" and openai["type"] == "invalid_request_error"
         # And the daemon serves on.
         assert (await client.post("/completion", json={"prompt": "hi", "n_predict": 1})).status == 200
+
+
+# -- /completion: several prompts, answered as a list ---------------------------
+
+
+async def test_several_prompts_are_answered_as_a_list_in_their_order(submits):
+    """llama-server's batch form: a list of prompts (texts, token ids, ids with texts between them,
+    objects) gets a list of answers, each with its index; one job per prompt, one after another."""
+    async with compat() as (controller, client):
+        prompts = ["hi", [1, 2, 3], [4, "mixed", 5], {"prompt_string": "an object"}]
+        response = await client.post("/completion", json={"prompt": prompts, "n_predict": 2})
+        assert response.status == 200, await response.text()
+        answers = await response.json()
+        assert isinstance(answers, list) and [a["index"] for a in answers] == [0, 1, 2, 3]
+        assert all(isinstance(a["content"], str) and a["stop"] is True and a["tokens_predicted"] == 2 for a in answers)
+        assert len(submits()) == 4
+        single = await (await client.post("/completion", json={"prompt": ["alone"], "n_predict": 1})).json()
+        assert isinstance(single, dict) and single["index"] == 0  # one prompt in a list: one answer, as llama-server
+
+
+async def test_several_prompts_refuse_a_stream_and_fail_whole_on_an_overflow(submits):
+    async with compat() as (controller, client):
+        error = await error_of(await client.post("/completion", json={"prompt": ["a", "b"], "stream": True}), 400)
+        assert error["param"] == "stream" and "several prompts" in error["message"]
+        response = await client.post("/completion", json={"prompt": ["hi", "OVERFLOW"], "n_predict": 1})
+        assert response.status == 400
+        assert (await response.json())["error"]["type"] == "exceed_context_size_error"
+        for hostile in (["x"] * 17, [[]], [["a", "b"]], [{}], [[1, [2]]], [[-1], [1]]):
+            error = await error_of(await client.post("/completion", json={"prompt": hostile}), 400)
+            assert "prompt" in error["message"], (hostile, error)
+        assert (await client.post("/completion", json={"prompt": "x", "n_predict": 1})).status == 200  # still serving
+
+
+# -- __verbose: the prompt as the chat template rendered it ---------------------
+
+BOOK = [{"role": "system", "content": "Book"}, {"role": "user", "content": "What is the best book"}]
+
+
+async def test_a_verbose_request_gets_its_rendered_prompt(submits):
+    async with compat() as (controller, client):
+        for verbose in (True, False):
+            response = await client.post("/chat/completions", json={"messages": BOOK, "max_tokens": 2,
+                                                                     "verbose": verbose})
+            body = await response.json()
+            assert response.status == 200 and ("__verbose" in body) == verbose, body
+        assert body["object"] == "chat.completion"
+        verbose = await (await client.post("/v1/chat/completions", json={"messages": BOOK, "max_tokens": 2,
+                                                                         "verbose": True})).json()
+        assert verbose["__verbose"]["prompt"] == "system: Book\nuser: What is the best book\n"  # the fake's template
+        chunks = await sse(await client.post("/chat/completions", json={"messages": BOOK, "max_tokens": 2,
+                                                                        "verbose": True, "stream": True}))
+        assert chunks and not any("__verbose" in chunk for chunk in chunks)  # whole answers only
+        for hostile in ("loud", [], {"a": 1}, 2):
+            error = await error_of(await client.post("/chat/completions", json={"messages": BOOK, "verbose": hostile}),
+                                   400)
+            assert "verbose" in error["message"], (hostile, error)
+
+
+async def test_verbose_answers_give_every_whole_chat_answer_its_prompt(submits):
+    async with compat(verbose_answers=True) as (controller, client):
+        body = await (await client.post("/chat/completions", json={"messages": BOOK, "max_tokens": 2})).json()
+        assert "Book" in body["__verbose"]["prompt"]
+        plain = await (await client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})).json()
+        assert "__verbose" not in plain  # chat answers only

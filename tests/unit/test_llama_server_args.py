@@ -94,7 +94,7 @@ SWITCHES: dict[str, tuple[dict | None, dict | None]] = {
     "--embedding": ({"embeddings": True}, None),
     "--rerank": ({"embeddings": True, "pooling": "rank"}, None),
     "--log-disable": ({"log_level": "error"}, None),
-    "-v": ({"log_level": "debug"}, None),
+    "-v": ({"log_level": "debug", "verbose_answers": True}, None),
     "--log-jsonl": ({"log_format": "json"}, {"log_format": "console"}),
     "--jinja": ({}, None),
     "--metrics": ({}, None),

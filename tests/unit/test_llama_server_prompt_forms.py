@@ -1,14 +1,14 @@
 """llama-server's prompt forms on /completion and /v1/embeddings (issue 29), read by the schemas:
-token ids with texts between them are one prompt, objects give their text, a list of strings is
-several inputs (embeddings only), and every other shape is refused with a message."""
+token ids with texts between them are one prompt, objects give their text, a list of texts, lists
+or objects is several prompts, and every other shape is refused with a message."""
 
 from __future__ import annotations
 
 import pytest
 from pydantic import ValidationError
 
-from daemon.http.dialects.llama_server.schemas import (MAX_INPUT_PARTS, EmbeddingsRequest, NativeCompletionRequest,
-                                                       embedding_prompts)
+from daemon.http.dialects.llama_server.schemas import (MAX_COMPLETION_PROMPTS, MAX_INPUT_PARTS, EmbeddingsRequest,
+                                                       NativeCompletionRequest, embedding_prompts)
 from daemon.http.core.schemas import MAX_EMBEDDING_INPUTS
 
 
@@ -93,8 +93,6 @@ def test_a_completion_prompt_is_one_prompt_in_any_of_its_forms(value, prompt):
     ({"prompt_string": "p <__media__>", "multimodal_data": "iVBOR"}, "text only"),
     ({"prompt_string": 3}, "prompt_string"),
     ({}, "prompt_string"),
-    (["a", "b"], "several prompts"),
-    ([[1, 2], [1, 2]], "several prompts"),
     ([], "at least 1"),
     ([-4], "greater than or equal"),
     ([1] + ["x"] * (MAX_INPUT_PARTS + 1), "at most"),
@@ -102,3 +100,39 @@ def test_a_completion_prompt_is_one_prompt_in_any_of_its_forms(value, prompt):
 def test_other_completion_prompts_are_refused_with_a_reason(value, message):
     with pytest.raises(ValidationError, match=message):
         NativeCompletionRequest.model_validate({"prompt": value})
+
+
+@pytest.mark.parametrize("value, prompts", [
+    (["a", "b"], ["a", "b"]),  # texts alone: several
+    ([[1, 2], [1, 2]], [[1, 2], [1, 2]]),
+    ([[1, 2], "text"], [[1, 2], "text"]),
+    ([[1, "x", 2], {"prompt_string": "p"}], [[1, "x", 2], "p"]),
+    (["only"], ["only"]),  # one prompt in a list: answered as one
+    (["x"] * MAX_COMPLETION_PROMPTS, ["x"] * MAX_COMPLETION_PROMPTS),
+])
+def test_several_completion_prompts_read_as_llama_server_reads_them(value, prompts):
+    body = NativeCompletionRequest.model_validate({"prompt": value})
+    assert body.prompts() == prompts
+    assert isinstance(body.prompt, tuple) == (len(prompts) > 1)
+
+
+@pytest.mark.parametrize("value, message", [
+    (["x"] * (MAX_COMPLETION_PROMPTS + 1), "at most 16 prompts"),
+    ([[]], "prompt\\[0\\]: a prompt is"),
+    ([["a", "b"]], "prompt\\[0\\]: a prompt is"),  # a list of texts inside a list: no third level
+    ([{}], "prompt_string"),
+    (["a", {"prompt_string": "p", "multimodal_data": ["AAAA"]}], "text only"),
+    ([[1, [2]]], "valid"),
+    ([[1, "x"]] * (MAX_INPUT_PARTS + 1), "at most 16"),
+    ([[1] + ["x"] * 20] * 13, "texts between token ids in one request"),  # 260 texts over the request
+    ([[-1], [2]], "greater than or equal"),
+])
+def test_hostile_several_completion_prompts_are_refused(value, message):
+    with pytest.raises(ValidationError, match=message):
+        NativeCompletionRequest.model_validate({"prompt": value})
+
+
+def test_each_of_several_prompts_is_bounded_by_the_context():
+    context = {"max_prompt_tokens": 8}
+    with pytest.raises(ValidationError, match="at most 8 prompt token ids in prompt\\[1\\]"):
+        NativeCompletionRequest.model_validate({"prompt": [[1], list(range(9))]}, context=context)

@@ -160,7 +160,6 @@ def openapi_document() -> dict[str, Any]:
     paths: dict[str, Any] = {
         # OpenAI's /v1/*, and llama-server's unversioned aliases of them.
         "/v1/completions": completions,
-        "/completions": completions,
         "/v1/chat/completions": chat,
         "/chat/completions": chat,
         "/v1/chat/completions/input_tokens": _generation("ChatCompletionRequest", input_tokens, False),
@@ -188,6 +187,8 @@ def openapi_document() -> dict[str, Any]:
                                                  dialect="anthropic"),
         # llama-server's own routes.
         "/completion": _generation("NativeCompletionRequest", "llama-server's native completion, with timings"),
+        "/completions": _generation("NativeCompletionRequest", "llama-server's native completion (as /completion; "
+                                                               "OpenAI's is /v1/completions)"),
         "/infill": _generation("InfillRequest", "fill-in-the-middle, as /completion answers (a model with FIM tokens)"),
         "/tokenize": _generation("TokenizeRequest", "token ids (with their pieces when asked)", False),
         "/detokenize": _generation("DetokenizeRequest", "the text of token ids", False),

@@ -174,6 +174,17 @@ async def chat_job(request: web.Request, chat: ChatJobRequest, endpoint: str, pa
     return model, job
 
 
+async def rendered_chat_prompt(request: web.Request, chat: ChatJobRequest, param: str = "messages") -> str:
+    """The prompt `chat` reads, as the model's chat template renders it (images as their markers)."""
+    from daemon.http.core.run import run_query
+
+    messages, tools = chat_inputs(request, chat, param)
+    model = generation_model(request, chat)
+    job = model.controller.new_query("render-chat", "render_chat", messages=messages, tools=tools,
+                                     **chat.template_args())
+    return (await run_query(request, model, job)).text
+
+
 async def input_tokens_answer(request: web.Request, endpoint: str, chat: ChatJobRequest, param: str) -> web.Response:
     """The prompt tokens `chat` reads (its messages and tools through the
     model's chat template, images included), as the input_tokens endpoints answer."""

@@ -93,23 +93,34 @@ async def native_answer(request: web.Request, model: FleetModel, job: Job, body,
                         post_sampling: bool, pick: Callable[[dict], dict] | None = None) -> web.StreamResponse:
     """/completion's answer to a job, whole or streamed; /infill's too (`pick`: its response_fields,
     applied to a whole answer only, as llama-server does)."""
+    if not body.stream:
+        answer = await native_whole(request, model, job, body, params, n_predict, post_sampling)
+        return web.json_response(pick(answer) if pick is not None else answer)
     end = {"generation_settings": generation_settings(params, n_predict, body.stream, body.n_probs, post_sampling)}
     async with tracked(request, model, job, body.stream):
         item = await first_item(request, model, job)
         if is_failure(item):
             raise _native_error(item, body, model)
-        if body.stream:
-            response = await open_event_stream(request, job)
-            writer = NativeChunks(response.write, model.id, body, end)
-            async for event in read_events(job, item, [ChoiceReader()]):
-                await writer.on(event)
-            await response.write_eof()
-            return response
+        response = await open_event_stream(request, job)
+        writer = NativeChunks(response.write, model.id, body, end)
+        async for event in read_events(job, item, [ChoiceReader()]):
+            await writer.on(event)
+        await response.write_eof()
+        return response
+
+
+async def native_whole(request: web.Request, model: FleetModel, job: Job, body, params, n_predict: int,
+                       post_sampling: bool) -> dict:
+    """/completion's whole answer to one job (one prompt), as a dict."""
+    end = {"generation_settings": generation_settings(params, n_predict, False, body.n_probs, post_sampling)}
+    async with tracked(request, model, job, False):
+        item = await first_item(request, model, job)
+        if is_failure(item):
+            raise _native_error(item, body, model)
         whole = await whole_answer(job, item)
         if whole.failure is not None:
             raise _native_error(whole.failure.item, body, model)
-        answer = native_body(whole, model.id, body, end)
-        return web.json_response(pick(answer) if pick is not None else answer)
+        return native_body(whole, model.id, body, end)
 
 
 def native_body(whole: Whole, model: str, body, end: dict) -> dict:

@@ -19,7 +19,7 @@ from daemon.http.core.job import generation_model, parse_body, structured_gramma
 from daemon.http.core.run import run_query
 from daemon.http.core.conversation import ImageRefused
 from daemon.http.dialects.llama_server import embeddings
-from daemon.http.dialects.llama_server.answer import native_answer
+from daemon.http.dialects.llama_server.answer import native_answer, native_whole
 from daemon.http.dialects.llama_server.mixed_prompt import is_mixed, mixed_tokens
 from daemon.http.dialects.llama_server.schemas import (ApplyTemplateRequest, DetokenizeRequest, NativeCompletionRequest,
                                                        TokenizeRequest)
@@ -82,12 +82,15 @@ def _n_predict(body: NativeCompletionRequest, settings) -> int:
 
 
 async def completion(request: web.Request) -> web.StreamResponse:
-    """llama-server's /completion: `content` and `stop` instead of choices, and timings."""
+    """llama-server's /completion: `content` and `stop` instead of choices, and timings. Several prompts
+    (a list of them) are answered whole, as a list in their order, each with its index."""
     body = await parse_body(request, NativeCompletionRequest)
     grammar = await structured_grammar(request, body)
     model = generation_model(request, body)
-    if is_mixed(body.prompt):  # token ids with texts between them: the texts tokenized in place
-        body.prompt = await mixed_tokens(request, model, body.prompt)
+    several = len(body.prompts()) > 1
+    if several and body.stream:
+        raise ApiError(400, "stream: several prompts are answered whole, as a list; stream one prompt per request",
+                       "invalid_value", param="stream")
     settings = model.controller.settings
     if body.n > 1:
         raise ApiError(400, "n: /completion answers one completion (its answer has no choices); use /v1/completions",
@@ -99,8 +102,20 @@ async def completion(request: web.Request) -> web.StreamResponse:
     # -1: until the end of generation or of the slot's context (the worker stops there).
     params = body.sampling(n_predict if n_predict >= 0 else settings.ctx_size, grammar, logprobs, defaults=settings)
     params = msgspec.structs.replace(params, post_sampling_probs=post_sampling)
-    job = model.controller.new_job("completion", params, prompt=body.prompt, cache_prompt=body.cache_prompt)
-    return await native_answer(request, model, job, body, params, n_predict, post_sampling)
+    if not several:
+        if is_mixed(body.prompt):  # token ids with texts between them: the texts tokenized in place
+            body.prompt = await mixed_tokens(request, model, body.prompt)
+        job = model.controller.new_job("completion", params, prompt=body.prompt, cache_prompt=body.cache_prompt)
+        return await native_answer(request, model, job, body, params, n_predict, post_sampling)
+    # One job after another: a request never holds more slots than a single prompt would.
+    answers = []
+    for index, prompt in enumerate(body.prompts()):
+        one = body.model_copy(update={"prompt": await mixed_tokens(request, model, prompt) if is_mixed(prompt)
+                                      else prompt})
+        job = model.controller.new_job("completion", params, prompt=one.prompt, cache_prompt=body.cache_prompt)
+        answers.append({**await native_whole(request, model, job, one, params, n_predict, post_sampling),
+                        "index": index})
+    return web.json_response(answers)
 
 
 def add_routes(app: web.Application) -> None:
@@ -108,4 +123,5 @@ def add_routes(app: web.Application) -> None:
     app.router.add_post("/detokenize", detokenize)
     app.router.add_post("/apply-template", apply_template)
     app.router.add_post("/completion", completion)
+    app.router.add_post("/completions", completion)  # as llama-server routes it: native, not OpenAI's (/v1/completions)
     embeddings.add_routes(app)

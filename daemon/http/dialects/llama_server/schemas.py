@@ -35,11 +35,17 @@ class ApplyTemplateRequest(Conversation):
     model: str | None = None
 
 
+MAX_COMPLETION_PROMPTS = 16  # prompts of one /completion: each a job, answered one after another
+
+
 class NativeCompletionRequest(SamplingFields):
     """llama-server's /completion: its names for the same sampling fields."""
 
-    prompt: str | Annotated[list[TokenId | str], Field(min_length=1)] = Field(
-        description="a text, token ids (texts may sit between them: one prompt), or {\"prompt_string\": text}")
+    prompt: (str | Annotated[list[TokenId | str], Field(min_length=1)]
+             | Annotated[tuple[str | Annotated[list[TokenId | str], Field(min_length=1)], ...],
+                         Field(min_length=2, max_length=MAX_COMPLETION_PROMPTS)]) = Field(
+        description="a text, token ids (texts may sit between them: one prompt), or {\"prompt_string\": text}; "
+                    f"or a list of up to {MAX_COMPLETION_PROMPTS} of these, answered whole as a list")
     n_predict: int = Field(-1, ge=-1, le=1_000_000, description="-1: until the end of generation or of the slot's "
                                                                 "context; left out: the server's n_predict")
     max_tokens: int | None = Field(None, ge=1, le=1_000_000, description="llama-server's alias of n_predict")
@@ -53,13 +59,36 @@ class NativeCompletionRequest(SamplingFields):
     @classmethod
     def _prompt_size(cls, value: Any, info: ValidationInfo) -> Any:
         _prompt_limit(value, info, "prompt token ids (ctx_size)")  # the length before any walk over the items
-        return _prompt_limit(completion_prompt(value), info, "prompt token ids (ctx_size)")
+        if not _several(value):
+            return _prompt_limit(completion_prompt(value), info, "prompt token ids (ctx_size)")
+        _at_most(value, MAX_COMPLETION_PROMPTS, "prompts in one /completion")
+        prompts = []
+        for i, item in enumerate(value):
+            _at_most(item, (info.context or {}).get("max_prompt_tokens", MAX_PROMPT_TOKENS),
+                     f"prompt token ids in prompt[{i}] (ctx_size)")
+            if isinstance(item, list) and (not item or _several(item)):
+                raise ValueError(f"prompt[{i}]: a prompt is a string, a non-empty list of token ids (texts may sit "
+                                 'between them), or {"prompt_string": text}')
+            prompts.append(completion_prompt(item))
+        texts = sum(sum(isinstance(v, str) for v in p) for p in prompts if isinstance(p, list))
+        if texts > MAX_INPUT_PARTS:
+            raise ValueError(f"at most {MAX_INPUT_PARTS} texts between token ids in one request, got {texts}")
+        return prompts[0] if len(prompts) == 1 else tuple(prompts)  # one prompt in a list: answered as one
+
+    def prompts(self) -> list[str | list[int | str]]:
+        return list(self.prompt) if isinstance(self.prompt, tuple) else [self.prompt]
+
+
+def _several(value: Any) -> bool:
+    """llama-server's rule: a list is one prompt when it holds token ids (texts may sit between them),
+    and several prompts (texts, lists, objects) otherwise."""
+    return isinstance(value, list) and bool(value) and not any(_token_id(v) for v in value) \
+        and all(isinstance(v, (str, list, dict)) for v in value)
 
 
 def completion_prompt(value: Any) -> Any:
-    """/completion's prompt as llama-server reads it, one prompt only: an object gives its prompt_string;
-    several prompts (llama-server answers them with a list) are refused, as are images (no projector
-    reads /completion's multimodal_data here)."""
+    """One of /completion's prompts as llama-server reads it: an object gives its prompt_string; images
+    are refused (no projector reads /completion's multimodal_data here)."""
     if isinstance(value, dict):
         if "multimodal_data" in value:
             raise ValueError("multimodal_data: /completion reads text only here; send images to "
@@ -68,9 +97,6 @@ def completion_prompt(value: Any) -> Any:
         if not isinstance(text, str):
             raise ValueError('an object prompt is {"prompt_string": text}')
         return text
-    if isinstance(value, list) and value and all(isinstance(v, (str, list, dict)) for v in value):
-        raise ValueError("several prompts in one request are not served: send one prompt per request (a text, "
-                         "token ids, or token ids with texts between them)")
     if isinstance(value, list) and sum(isinstance(v, str) for v in value) > MAX_INPUT_PARTS:
         raise ValueError(f"at most {MAX_INPUT_PARTS} texts between token ids")
     return value

@@ -15,6 +15,8 @@ from daemon.http.core.conversation import ChatJobRequest
 class ChatCompletionRequest(ChatJobRequest):
     functions: Any = Field(None, description="refused: OpenAI's deprecated form of tools")
     function_call: Any = Field(None, description="refused: OpenAI's deprecated form of tool_choice")
+    verbose: bool = Field(False, description="llama-server's: the whole answer carries `__verbose`, the prompt as the "
+                                             "chat template rendered it (a stream does not)")
 
     @field_validator("functions", "function_call")
     @classmethod

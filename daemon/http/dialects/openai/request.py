@@ -16,12 +16,13 @@ from aiohttp import web
 from daemon import protocol as p
 from daemon.fleet.owner import FleetModel
 from daemon.http.core.job import (chat_job, default_limit, generation_model, input_tokens_answer, parse_body,
+                                  rendered_chat_prompt,
                                   structured_grammar, tool_mode)
 from daemon.http.core.schemas import CompletionRequest
 from daemon.http.dialects.openai.answer import run_job
 from daemon.http.dialects.openai.body import ChatCompletionRequest
 from daemon.http.dialects.openai.shapes import ChatShape, CompletionShape, system_fingerprint
-from daemon.http.keys import FLEET, model_for
+from daemon.http.keys import FLEET, SETTINGS, model_for
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
@@ -43,11 +44,14 @@ async def completions(request: web.Request) -> web.StreamResponse:
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     body = await parse_body(request, ChatCompletionRequest)
+    verbose = None
+    if not body.stream and (body.verbose or request.app[SETTINGS].verbose_answers):
+        verbose = {"prompt": await rendered_chat_prompt(request, body)}  # llama-server's debug echo
     model, job = await chat_job(request, body, "chat.completions")
     shape = ChatShape(f"chatcmpl-{job.id}", model.id, body.include_usage, logprobs=body.logprobs,
                       fingerprint=system_fingerprint(model.controller.model_path))
     return await run_job(request, model, job, shape, body.stream, body.include_usage, tools=tool_mode(body),
-                         reasoning=body.reasoning_format)
+                         reasoning=body.reasoning_format, extra={"__verbose": verbose} if verbose else None)
 
 
 async def chat_input_tokens(request: web.Request) -> web.Response:
@@ -75,9 +79,10 @@ async def retrieve_model(request: web.Request) -> web.Response:
 
 
 def add_routes(app: web.Application) -> None:
-    # Each beside its unversioned alias, as llama-server serves them.
+    # Each beside its unversioned alias, as llama-server serves them; but /completions, which is
+    # llama-server's native completion there (dialects/llama_server/request.py), not OpenAI's.
+    app.router.add_post("/v1/completions", completions)
     for prefix in ("/v1", ""):
-        app.router.add_post(f"{prefix}/completions", completions)
         app.router.add_post(f"{prefix}/chat/completions", chat_completions)
         app.router.add_post(f"{prefix}/chat/completions/input_tokens", chat_input_tokens)
         app.router.add_get(f"{prefix}/models", models)
