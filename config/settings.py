@@ -209,8 +209,9 @@ class Settings(BaseSettings):
                           "same per-token limits as json_schema (a grammar past them ends its own request with an "
                           "error, never stalls the others); false refuses the field")
     verbose_answers: bool = Field(
-        False, description="every whole chat answer carries llama-server's `__verbose` object (the prompt as the chat "
-                           "template rendered it); a request's own `verbose` asks for it alone. llama-server's -v sets it")
+        False, description="every whole answer of /v1/chat/completions carries llama-server's `__verbose` object (the "
+                           "prompt as the chat template rendered it); a request's own `verbose` asks for it alone. "
+                           "llama-server's -v sets it")
 
     # -- several models (config/models.py) --
     models: dict[str, ModelSettings] = Field(

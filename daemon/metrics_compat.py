@@ -75,7 +75,7 @@ VLLM_FINISH_REASONS = ("stop", "length", "abort", "error")
 # endpoints that ask nothing of the model (tokenize, ...) are no inference requests.
 OPERATIONS = {"chat.completions": "chat", "completions": "text_completion", "completion": "text_completion",
               "embeddings": "embeddings"}
-NOT_INFERENCE = frozenset({"tokenize", "detokenize", "apply-template"})
+NOT_INFERENCE = frozenset({"tokenize", "detokenize", "apply-template", "render-chat", "mixed-prompt.tokenize"})
 OTEL_PROVIDER = "dormouse"
 
 

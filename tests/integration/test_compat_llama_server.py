@@ -498,7 +498,8 @@ async def test_several_prompts_refuse_a_stream_and_fail_whole_on_an_overflow(sub
         assert error["param"] == "stream" and "several prompts" in error["message"]
         response = await client.post("/completion", json={"prompt": ["hi", "OVERFLOW"], "n_predict": 1})
         assert response.status == 400
-        assert (await response.json())["error"]["type"] == "exceed_context_size_error"
+        error = (await response.json())["error"]
+        assert error["type"] == "exceed_context_size_error" and error["message"].startswith("prompt[1]: ")
         for hostile in (["x"] * 17, [[]], [["a", "b"]], [{}], [[1, [2]]], [[-1], [1]]):
             error = await error_of(await client.post("/completion", json={"prompt": hostile}), 400)
             assert "prompt" in error["message"], (hostile, error)

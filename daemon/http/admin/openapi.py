@@ -34,8 +34,9 @@ def _error_responses(*codes: int, dialect: str = "openai") -> dict[str, Any]:
 
 def _generation(ref: str, description: str = "the completion (JSON, or SSE when stream is true)",
                 stream: bool = True, dialect: str = "openai", streamed_as: str = _SSE,
-                errors: tuple[int, ...] = _GENERATION_ERRORS) -> dict[str, Any]:
-    content: dict[str, Any] = {_JSON: {"schema": {"type": "object"}}}
+                errors: tuple[int, ...] = _GENERATION_ERRORS, whole: dict | None = None) -> dict[str, Any]:
+    """whole: the schema of a whole (not streamed) answer; an object unless given."""
+    content: dict[str, Any] = {_JSON: {"schema": whole or {"type": "object"}}}
     if stream:
         content[streamed_as] = {"schema": {"type": "string"}}
     return {
@@ -156,6 +157,9 @@ def openapi_document() -> dict[str, Any]:
     embeddings = _generation("EmbeddingsRequest", "pooled, normalized embeddings (embeddings models)", False)
     models = _get("every configured model with its status (loaded, loading, sleeping, unloading, failed)", 401, 403)
     rerank = _generation("RerankRequest", "documents' relevance scores (a pooling = \"rank\" model)", False)
+    native = _generation("NativeCompletionRequest", "llama-server's native completion, with timings; several prompts: "
+                         "a list of answers, in their order", whole={"oneOf": [
+                             {"type": "object"}, {"type": "array", "items": {"type": "object"}}]})
     input_tokens = "the prompt tokens the request would read: {\"object\": \"response.input_tokens\", \"input_tokens\"}"
     paths: dict[str, Any] = {
         # OpenAI's /v1/*, and llama-server's unversioned aliases of them.
@@ -186,9 +190,8 @@ def openapi_document() -> dict[str, Any]:
         "/v1/messages/count_tokens": _generation("CountTokensRequest", "{\"input_tokens\"}", False,
                                                  dialect="anthropic"),
         # llama-server's own routes.
-        "/completion": _generation("NativeCompletionRequest", "llama-server's native completion, with timings"),
-        "/completions": _generation("NativeCompletionRequest", "llama-server's native completion (as /completion; "
-                                                               "OpenAI's is /v1/completions)"),
+        "/completion": native,
+        "/completions": native,  # as llama-server routes it; OpenAI's is /v1/completions
         "/infill": _generation("InfillRequest", "fill-in-the-middle, as /completion answers (a model with FIM tokens)"),
         "/tokenize": _generation("TokenizeRequest", "token ids (with their pieces when asked)", False),
         "/detokenize": _generation("DetokenizeRequest", "the text of token ids", False),

@@ -113,8 +113,12 @@ async def completion(request: web.Request) -> web.StreamResponse:
         one = body.model_copy(update={"prompt": await mixed_tokens(request, model, prompt) if is_mixed(prompt)
                                       else prompt})
         job = model.controller.new_job("completion", params, prompt=one.prompt, cache_prompt=body.cache_prompt)
-        answers.append({**await native_whole(request, model, job, one, params, n_predict, post_sampling),
-                        "index": index})
+        try:
+            answer = await native_whole(request, model, job, one, params, n_predict, post_sampling)
+        except ApiError as exc:
+            exc.message = f"prompt[{index}]: {exc.message}"  # which of the prompts; the answers before it are dropped
+            raise
+        answers.append({**answer, "index": index})
     return web.json_response(answers)
 
 

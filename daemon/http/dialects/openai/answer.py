@@ -34,16 +34,17 @@ def streams_reasoning(reasoning: str | None) -> bool:
 
 async def run_job(request: web.Request, model: FleetModel, job: Job, shape: _Shape, stream: bool,
                   include_usage: bool, tools: ToolMode | None = None, reasoning: str | None = None,
-                  extra: dict | None = None) -> web.StreamResponse:
+                  extra: Callable[[], Awaitable[dict]] | None = None) -> web.StreamResponse:
     """tools: the output may hold tool calls (chat with tools). reasoning: a
     chat's reasoning_format (daemon/tools/reasoning.py); None: no thinking read out.
-    extra: keys added to a whole answer (llama-server's __verbose)."""
+    extra: keys added to a whole answer once it is read (llama-server's __verbose)."""
     async with tracked(request, model, job, stream):
         item = await first_answer_item(request, model, job)
         n = job.submit.n
         if not stream:
             whole = await whole_or_error(job, item, n)
-            return web.json_response({**whole_body(whole, shape, tools, reasoning), **(extra or {})})
+            answer = whole_body(whole, shape, tools, reasoning)
+            return web.json_response({**answer, **await extra()} if extra is not None else answer)
         response = await open_event_stream(request, job)
         writer = ChunkWriter(response.write, shape, n, include_usage, tools)
         await writer.begin()

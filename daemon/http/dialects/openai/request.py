@@ -44,14 +44,16 @@ async def completions(request: web.Request) -> web.StreamResponse:
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     body = await parse_body(request, ChatCompletionRequest)
-    verbose = None
-    if not body.stream and (body.verbose or request.app[SETTINGS].verbose_answers):
-        verbose = {"prompt": await rendered_chat_prompt(request, body)}  # llama-server's debug echo
     model, job = await chat_job(request, body, "chat.completions")
     shape = ChatShape(f"chatcmpl-{job.id}", model.id, body.include_usage, logprobs=body.logprobs,
                       fingerprint=system_fingerprint(model.controller.model_path))
+
+    async def verbose() -> dict:  # llama-server's debug echo, rendered once the answer is read (the model is awake)
+        return {"__verbose": {"prompt": await rendered_chat_prompt(request, body)}}
+
+    wanted = not body.stream and (body.verbose or request.app[SETTINGS].verbose_answers)
     return await run_job(request, model, job, shape, body.stream, body.include_usage, tools=tool_mode(body),
-                         reasoning=body.reasoning_format, extra={"__verbose": verbose} if verbose else None)
+                         reasoning=body.reasoning_format, extra=verbose if wanted else None)
 
 
 async def chat_input_tokens(request: web.Request) -> web.Response:
