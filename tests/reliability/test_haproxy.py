@@ -413,15 +413,16 @@ def every_question() -> list:
     return [Question(role, model) for model in MODELS for role in (SERVE, WARM, WAKE, OVERFLOW)]
 
 
-async def settle(servers: list[StandIn]) -> None:
+async def settle(servers: list[StandIn], hold: float | None = None) -> None:
     """Past the agent's make-before-break hold (a line of the tier a model
-    left for a warmer one stays on that long), then until every line's agent
-    has answered twice: the second answer was computed after any change made
-    before this call, and HAProxy applied the first of those before the
-    second was asked (agent-inter)."""
+    left for a warmer one stays on that long; `hold`: a longer one, counted
+    from the first question after the change, half a second at most), then
+    until every line's agent has answered twice: the second answer was
+    computed after any change made before this call, and HAProxy applied the
+    first of those before the second was asked (agent-inter)."""
     from daemon.http.agent import TIER_HOLD_SECONDS
 
-    await asyncio.sleep(TIER_HOLD_SECONDS)
+    await asyncio.sleep(TIER_HOLD_SECONDS if hold is None else hold + 0.5)
     questions = every_question()
     before = {s.name: Counter(s.answered) for s in servers}
     deadline = time.monotonic() + 15
@@ -461,7 +462,7 @@ def test_haproxy_tiers_with_stand_in_agents(tmp_path):
     """The routing the design rests on, on the real HAProxy with no daemon:
     stand-ins whose agents (daemon.http.agent.Agent) report the default
     model's states set here (the other models asleep)."""
-    from daemon.http.agent import ReplicaSnapshot
+    from daemon.http.agent import WOKEN_BUSY_HOLD_SECONDS, ReplicaSnapshot
 
     asleep, free, full = ReplicaSnapshot("asleep", 0), ReplicaSnapshot("ready", 2), ReplicaSnapshot("ready", 0)
     waking, stopping = ReplicaSnapshot("waking", 0), ReplicaSnapshot("stopping", 0)
@@ -475,9 +476,9 @@ def test_haproxy_tiers_with_stand_in_agents(tmp_path):
     async def scenario() -> None:
         async with stand_ins(tmp_path, daemon_agents(replicas)) as (servers, proxy):
             async with httpx.AsyncClient(base_url=proxy.url, timeout=10) as client:
-                async def phase(label: str, *snapshots: ReplicaSnapshot) -> None:
+                async def phase(label: str, *snapshots: ReplicaSnapshot, hold: float | None = None) -> None:
                     set_states(*snapshots)
-                    await settle(servers)
+                    await settle(servers, hold)
                     seen = Counter()
                     for i in range(12):  # twelve conversations: affinity spreads them over the usable lines
                         response = await client.post("/x", json={"prompt_cache_key": f"conversation-{i}"})
@@ -490,7 +491,9 @@ def test_haproxy_tiers_with_stand_in_agents(tmp_path):
                 await phase("r2 saturated", asleep, full, asleep)
                 await phase("r2 saturated, r3 waking", asleep, full, waking)
                 await phase("r1 waking, r2 awake", waking, free, asleep)
-                await phase("all saturated", full, full, full)
+                # r1's wake ended busy: its warm line stays on WOKEN_BUSY_HOLD_SECONDS (HAProxy's late
+                # retries; tests/unit/test_agent.py), then the overflow backend takes them all.
+                await phase("all saturated", full, full, full, hold=WOKEN_BUSY_HOLD_SECONDS)
                 # A daemon's own 503 reaches the client with its Retry-After,
                 # and is not retried (the request may have crashed a worker).
                 set_states(free, asleep, asleep)
