@@ -111,6 +111,10 @@ def test_completion_reads_mixed_and_object_prompts_as_their_tokens(chatter):
     tail = chatter.http.post("/tokenize", json={"content": " is"}).json()["tokens"]
     mixed = complete([*ids[:-len(tail)], " is"])
     assert mixed["content"] == plain["content"] and mixed["tokens_evaluated"] == plain["tokens_evaluated"]
-    for hostile in (["a", "b"], {"prompt_string": "x", "multimodal_data": "AAAA"}, {"prompt_string": 1}, [1, None]):
+    several = chatter.http.post("/completion", json={"prompt": [ids, {"prompt_string": text}], "n_predict": 4,
+                                                      "temperature": 0, "cache_prompt": False})
+    assert several.status_code == 200, several.text  # several prompts: a list of answers, as llama-server
+    assert [a["content"] for a in several.json()] == [plain["content"]] * 2
+    for hostile in ([[]], {"prompt_string": "x", "multimodal_data": "AAAA"}, {"prompt_string": 1}, [1, None]):
         r = chatter.http.post("/completion", json={"prompt": hostile, "n_predict": 1})
         assert r.status_code == 400 and r.json()["error"]["message"], r.text
