@@ -13,6 +13,7 @@ import msgspec
 from aiohttp import web
 from pydantic import BaseModel, ValidationError
 
+from daemon import protocol as p
 from daemon.fleet.owner import FleetModel
 from daemon.http.core.conversation import ChatJobRequest, ImageRefused
 from daemon.http.core.schemas import BodyError, decode_body, field_name, SamplingFields
@@ -174,24 +175,22 @@ async def chat_job(request: web.Request, chat: ChatJobRequest, endpoint: str, pa
     return model, job
 
 
-async def rendered_chat_prompt(request: web.Request, chat: ChatJobRequest, param: str = "messages") -> str:
-    """The prompt `chat` reads, as the model's chat template renders it (images as their markers)."""
+async def _chat_query(request: web.Request, chat: ChatJobRequest, param: str, endpoint: str, kind: str) -> p.Answer:
+    """A query about the prompt `chat` reads (its messages and tools through the model's chat template)."""
     from daemon.http.core.run import run_query
 
     messages, tools = chat_inputs(request, chat, param)
     model = generation_model(request, chat)
-    job = model.controller.new_query("render-chat", "render_chat", messages=messages, tools=tools,
-                                     **chat.template_args())
-    return (await run_query(request, model, job)).text
+    job = model.controller.new_query(endpoint, kind, messages=messages, tools=tools, **chat.template_args())
+    return await run_query(request, model, job)
+
+
+async def rendered_chat_prompt(request: web.Request, chat: ChatJobRequest, param: str = "messages") -> str:
+    """The prompt `chat` reads, as the model's chat template renders it (images as their markers)."""
+    return (await _chat_query(request, chat, param, "render-chat", "render_chat")).text
 
 
 async def input_tokens_answer(request: web.Request, endpoint: str, chat: ChatJobRequest, param: str) -> web.Response:
-    """The prompt tokens `chat` reads (its messages and tools through the
-    model's chat template, images included), as the input_tokens endpoints answer."""
-    from daemon.http.core.run import run_query
-
-    messages, tools = chat_inputs(request, chat, param)
-    model = generation_model(request, chat)
-    job = model.controller.new_query(endpoint, "count_chat", messages=messages, tools=tools, **chat.template_args())
-    answer = await run_query(request, model, job)
+    """The prompt tokens `chat` reads (images included), as the input_tokens endpoints answer."""
+    answer = await _chat_query(request, chat, param, endpoint, "count_chat")
     return web.json_response({"object": "response.input_tokens", "input_tokens": answer.prompt_tokens})

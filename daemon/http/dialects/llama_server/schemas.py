@@ -70,13 +70,18 @@ class NativeCompletionRequest(SamplingFields):
                 raise ValueError(f"prompt[{i}]: a prompt is a string, a non-empty list of token ids (texts may sit "
                                  'between them), or {"prompt_string": text}')
             prompts.append(completion_prompt(item))
-        texts = sum(sum(isinstance(v, str) for v in p) for p in prompts if isinstance(p, list))
-        if texts > MAX_INPUT_PARTS:
-            raise ValueError(f"at most {MAX_INPUT_PARTS} texts between token ids in one request, got {texts}")
+        _texts_within_bound(prompts)
         return prompts[0] if len(prompts) == 1 else tuple(prompts)  # one prompt in a list: answered as one
 
     def prompts(self) -> list[str | list[int | str]]:
         return list(self.prompt) if isinstance(self.prompt, tuple) else [self.prompt]
+
+
+def _texts_within_bound(prompts: list) -> None:
+    """The texts between token ids over a request's prompts: each is a tokenize query to the worker."""
+    texts = sum(sum(isinstance(v, str) for v in p) for p in prompts if isinstance(p, list))
+    if texts > MAX_INPUT_PARTS:
+        raise ValueError(f"at most {MAX_INPUT_PARTS} texts between token ids in one request, got {texts}")
 
 
 def _several(value: Any) -> bool:
@@ -165,9 +170,7 @@ def embedding_prompts(value: Any, max_items: int = MAX_PROMPT_TOKENS) -> list[st
         for i, item in enumerate(value):
             _at_most(item, max_items, f"items in input[{i}] (ctx_size)")
         prompts = [_one_prompt(item, f"input[{i}]") for i, item in enumerate(value)]
-        mixed_texts = sum(sum(isinstance(v, str) for v in p) for p in prompts if isinstance(p, list))
-        if mixed_texts > MAX_INPUT_PARTS:
-            raise ValueError(f"at most {MAX_INPUT_PARTS} texts between token ids in one request, got {mixed_texts}")
+        _texts_within_bound(prompts)
         return prompts
     return [_one_prompt(value, "input")]
 
