@@ -13,6 +13,7 @@ import ctypes
 import os
 import sys
 import time
+import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
@@ -27,6 +28,24 @@ POOLING = {"mean": 1, "cls": 2, "last": 3, "rank": 4}  # llama_pooling_type; ran
 # llama.cpp's llama_load_mode: how the weights are read (auto: mmap where every device supports it).
 LOAD_MODES = {"auto": -1, "none": 0, "mmap": 1, "mlock": 2, "mmap+mlock": 3, "direct_io": 4}
 
+
+
+# llama.cpp keeps the address of its log callback for the life of the process, so the ctypes
+# trampoline it calls is made once, here, and never freed: a callback owned by a Runtime would be
+# freed with it, and the next line llama.cpp logs (from another Runtime, or any model loaded in
+# this process) would jump into freed memory: a segfault. It writes to the Runtime that set it.
+_log_sink: "weakref.ref[Runtime] | None" = None
+
+
+def _dispatch_llama_log(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
+    sink = _log_sink() if _log_sink is not None else None
+    if sink is not None:
+        sink._on_llama_log(level, text, user_data)
+    elif level >= 3:  # nobody listening: warnings and errors still reach stderr
+        sys.stderr.write(text.decode("utf-8", errors="replace"))
+
+
+_LLAMA_LOG = llama.llama_log_callback(_dispatch_llama_log)
 
 
 class LoadError(RuntimeError):
@@ -52,8 +71,9 @@ class Runtime:
 
     def __post_init__(self) -> None:
         self.threads = self.spec.threads or os.cpu_count() or 1
-        self._log_callback = llama.llama_log_callback(self._on_llama_log)
-        llama.llama_log_set(self._log_callback, None)
+        global _log_sink
+        _log_sink = weakref.ref(self)  # the newest Runtime hears llama.cpp (a worker holds one)
+        llama.llama_log_set(_LLAMA_LOG, None)
         self._log_tail = ""
         self._last_level = 2
 
@@ -178,7 +198,7 @@ class Runtime:
         params.n_threads = self.threads
         params.print_timings = False
         if hasattr(lib, "mtmd_helper_log_set"):
-            lib.mtmd_helper_log_set(self._log_callback, None)
+            lib.mtmd_helper_log_set(_LLAMA_LOG, None)
         ctx = lib.mtmd_init_from_file(os.fsencode(path), self.model, params)
         if not ctx:
             raise LoadError(f"cannot load projector {path}: {self._last_error()}")
