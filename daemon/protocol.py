@@ -178,6 +178,9 @@ class Submit(Message):
     # (daemon/model/jobs.py request_cache_scope). An entry is restored, and counted as cached,
     # only for a request of the same scope; "" is the scope of requests with neither.
     cache_scope: str = ""
+    # llama-server's id_slot: the slot this request must run in (it waits for that slot, first in, first
+    # served); -1: the engine chooses (the best cache match).
+    slot: int = -1
 
 
 class Cancel(Message):

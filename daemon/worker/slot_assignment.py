@@ -48,10 +48,18 @@ class SlotAssignment:
             idle = [s for s in self.slots if s.job is None and s.reserved_for is None]
             if not idle or len(idle) < min(msg.n, len(self.slots)):
                 return  # first in, first served: n choices wait for n slots
+            if 0 <= msg.slot < len(self.slots):
+                if self.slots[msg.slot] not in idle:
+                    return  # first in, first served: a pinned request waits for its slot
+                idle = [self.slots[msg.slot]]
             self.queue.remove(msg)
             try:
                 if self.embeddings_only:
                     raise RequestError("this model serves embeddings only (embeddings = true): use /v1/embeddings")
+                if msg.slot >= len(self.slots) or msg.slot < -1:
+                    raise RequestError(f"id_slot: this model has slots 0..{len(self.slots) - 1}")
+                if msg.slot >= 0 and msg.n > 1:
+                    raise RequestError("id_slot: n choices need n slots; a request pinned to one slot has n = 1")
                 if msg.n > 1:
                     self._check_choices(msg)
                 if msg.messages is not None:

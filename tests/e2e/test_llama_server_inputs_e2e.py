@@ -118,3 +118,69 @@ def test_completion_reads_mixed_and_object_prompts_as_their_tokens(chatter):
     for hostile in ([[]], {"prompt_string": "x", "multimodal_data": "AAAA"}, {"prompt_string": 1}, [1, None]):
         r = chatter.http.post("/completion", json={"prompt": hostile, "n_predict": 1})
         assert r.status_code == 400 and r.json()["error"]["message"], r.text
+
+
+@pytest.fixture(scope="module")
+def two_slots(tmp_path_factory):
+    from tests.conftest import DaemonProcess
+
+    tmp = tmp_path_factory.mktemp("ls-slots")
+    d = DaemonProcess("-c", "1024", "-np", "2", "-cram", "0", "--threads", "2", log_path=tmp / "daemon.log")
+    d.wait_state("ready", "sleeping", timeout=120)
+    yield d
+    d.stop()
+
+
+def test_id_slot_runs_a_request_in_the_slot_it_names(two_slots):
+    """llama-server's test_slot_save_restore, its cache figures only (the words are its own model's): a
+    prompt read in slot 1 is cached there; the same prefix pinned to empty slot 0 is read whole, pinned
+    to slot 1 only its new tail is read."""
+    def prompt_n(prompt: str, id_slot: int) -> int:
+        r = two_slots.http.post("/completion", json={"prompt": prompt, "id_slot": id_slot, "n_predict": 1,
+                                                     "temperature": 0})
+        assert r.status_code == 200, r.text
+        return r.json()["timings"]["prompt_n"]
+
+    first = "The capital of France is a city of many bridges and of old streets. " * 3
+    second = first + "What is the capital of Germany?"
+    whole = prompt_n(first, 1)
+    assert prompt_n(second, 0) > whole  # slot 0 held nothing: all of it read
+    tail = prompt_n(second, 1)
+    assert 0 < tail < whole / 2  # slot 1 held the first prompt: only what follows it
+    assert prompt_n(second, 1) <= 1 and prompt_n(second, 0) <= 1  # each slot now holds the second prompt
+
+
+@pytest.mark.parametrize("id_slot", [2, -2, 10 ** 9, "one", 1.5, [1]])
+def test_a_hostile_id_slot_is_400_naming_it(two_slots, id_slot):
+    r = two_slots.http.post("/completion", json={"prompt": "hi", "id_slot": id_slot, "n_predict": 1})
+    assert r.status_code == 400, r.text
+    assert "id_slot" in r.json()["error"]["message"]
+    assert two_slots.http.post("/completion", json={"prompt": "hi", "n_predict": 1}).status_code == 200
+
+
+def test_a_request_pinned_to_a_busy_slot_waits_for_it(two_slots):
+    """Slot 0 is idle, yet a request pinned to slot 1 runs only after slot 1's stream has ended."""
+    import threading
+
+    import httpx
+
+    order = []
+    body = {"prompt": "Once upon a time", "id_slot": 1, "n_predict": 48, "ignore_eos": True, "stream": True}
+    with httpx.Client(base_url=two_slots.url, timeout=60) as client, client.stream("POST", "/completion",
+                                                                                   json=body) as first:
+        assert first.status_code == 200
+        lines = first.iter_lines()
+        assert next(line for line in lines if line.startswith("data: "))  # slot 1 is decoding
+
+        def pinned():
+            r = httpx.post(f"{two_slots.url}/completion", json={"prompt": "hi", "id_slot": 1, "n_predict": 1},
+                           timeout=60)
+            order.append(("pinned", r.status_code))
+
+        waiter = threading.Thread(target=pinned)
+        waiter.start()
+        for _ in lines:  # the whole stream, to its end
+            pass
+        order.append(("stream", 200))
+        waiter.join(60)
+    assert order == [("stream", 200), ("pinned", 200)]

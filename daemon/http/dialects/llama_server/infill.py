@@ -8,7 +8,7 @@ stream, cache_prompt and /completion's sampling fields. The answer is
 
 The worker builds the prompt from the model's FIM tokens (worker/fim.py); a
 model without them answers 400. Fields llama-server takes and Dormouse does
-not act on (samplers, n_indent, t_max_prompt_ms, t_max_predict_ms, id_slot)
+not act on (samplers, n_indent, t_max_prompt_ms, t_max_predict_ms)
 are accepted and ignored, as on /completion: the plugins always send them.
 `lora` (an adapter llama.vscode sends when configured with one) is refused by
 name: Dormouse loads no adapters, and the base model's answer would ignore it.
@@ -25,7 +25,7 @@ from pydantic import Field, field_validator
 from daemon import protocol as p
 from daemon.http.errors import ApiError
 from daemon.http.dialects.llama_server.answer import native_answer
-from daemon.http.dialects.llama_server.request import _n_predict
+from daemon.http.dialects.llama_server.request import _n_predict, check_slot
 from daemon.http.core.job import generation_model, parse_body, structured_grammar
 from daemon.http.core.schemas import _at_most, RequestModel
 from daemon.http.dialects.llama_server.schemas import NativeCompletionRequest
@@ -99,6 +99,7 @@ async def infill(request: web.Request) -> web.StreamResponse:
     grammar = await structured_grammar(request, body)
     model = generation_model(request, body)
     settings = model.controller.settings
+    check_slot(body.id_slot, settings.parallel)
     if body.n > 1:
         raise ApiError(400, "n: /infill answers one completion (its answer has no choices)", "invalid_value", param="n")
     # 0: llama.vim's ring update and llama.vscode's extra context read the files into the cache
@@ -108,7 +109,8 @@ async def infill(request: web.Request) -> web.StreamResponse:
     # -1: until the end of generation or of the slot's context (the worker stops there).
     params = body.sampling(n_predict if n_predict >= 0 else settings.ctx_size, grammar, logprobs, defaults=settings)
     params = msgspec.structs.replace(params, post_sampling_probs=post_sampling)
-    job = model.controller.new_job("infill", params, infill=body.to_protocol(), cache_prompt=body.cache_prompt)
+    job = model.controller.new_job("infill", params, infill=body.to_protocol(), cache_prompt=body.cache_prompt,
+                                         slot=body.id_slot)
     pick = (lambda answer: pick_fields(answer, body.response_fields)) if body.response_fields else None
     return await native_answer(request, model, job, body, params, n_predict, post_sampling, pick)
 

@@ -70,6 +70,13 @@ def _no_images(part) -> bytes:
 
 # -- the native /completion --------------------------------------------------------
 
+def check_slot(id_slot: int, parallel: int) -> None:
+    """llama-server's id_slot names one of this model's slots, or is -1 (the engine chooses)."""
+    if id_slot >= parallel:
+        raise ApiError(400, f"id_slot: this model has slots 0..{parallel - 1} (parallel = {parallel})",
+                       "invalid_value", param="id_slot")
+
+
 def _n_predict(body: NativeCompletionRequest, settings) -> int:
     """The request's n_predict (or its alias max_tokens), else the server's; -1: until the end; 0: the
     prompt is read (into the slot's cache, which is what editor plugins' warm-ups send it for) and
@@ -92,6 +99,7 @@ async def completion(request: web.Request) -> web.StreamResponse:
         raise ApiError(400, "stream: several prompts are answered whole, as a list; stream one prompt per request",
                        "invalid_value", param="stream")
     settings = model.controller.settings
+    check_slot(body.id_slot, settings.parallel)
     if body.n > 1:
         raise ApiError(400, "n: /completion answers one completion (its answer has no choices); use /v1/completions",
                        "invalid_value", param="n")
@@ -105,14 +113,16 @@ async def completion(request: web.Request) -> web.StreamResponse:
     if not several:
         if is_mixed(body.prompt):  # token ids with texts between them: the texts tokenized in place
             body.prompt = await mixed_tokens(request, model, body.prompt)
-        job = model.controller.new_job("completion", params, prompt=body.prompt, cache_prompt=body.cache_prompt)
+        job = model.controller.new_job("completion", params, prompt=body.prompt, cache_prompt=body.cache_prompt,
+                                         slot=body.id_slot)
         return await native_answer(request, model, job, body, params, n_predict, post_sampling)
     # One job after another: a request never holds more slots than a single prompt would.
     answers = []
     for index, prompt in enumerate(body.prompts()):
         one = body.model_copy(update={"prompt": await mixed_tokens(request, model, prompt) if is_mixed(prompt)
                                       else prompt})
-        job = model.controller.new_job("completion", params, prompt=one.prompt, cache_prompt=body.cache_prompt)
+        job = model.controller.new_job("completion", params, prompt=one.prompt, cache_prompt=body.cache_prompt,
+                                         slot=body.id_slot)
         try:
             answer = await native_whole(request, model, job, one, params, n_predict, post_sampling)
         except ApiError as exc:

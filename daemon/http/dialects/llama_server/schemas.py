@@ -50,6 +50,9 @@ class NativeCompletionRequest(SamplingFields):
                                                                 "context; left out: the server's n_predict")
     max_tokens: int | None = Field(None, ge=1, le=1_000_000, description="llama-server's alias of n_predict")
     cache_prompt: bool = Field(True, description="false: read the whole prompt, reuse nothing cached")
+    id_slot: int = Field(-1, ge=-1, le=255, description="the slot to run in (0..parallel - 1; the request waits for "
+                                                        "it), as /slots/{id_slot} saves and restores; -1: the best "
+                                                        "cache match")
     n_probs: int = Field(0, ge=0, le=MAX_TOP_LOGPROBS, description="the most likely tokens at each position")
     post_sampling_probs: bool = Field(False, description="n_probs as probabilities (prob, top_probs) of the "
                                                          "distribution the sampler chain drew from")
