@@ -31,6 +31,7 @@ MAX_NAMED_KEYS = 256
 KEY_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 
 
+from config.models_dir import with_models_dir  # noqa: E402
 from config.models import MODEL_ID, ModelSettings, check_chat_template, check_model_ids, parse_size  # noqa: E402
 from config.sources import find_config_file  # noqa: E402
 from config.llama_options import LlamaOptions  # noqa: E402
@@ -221,6 +222,14 @@ class Settings(BaseSettings):
     memory_budget: int | None = Field(
         None, description="bytes the models may hold together (an int, or '20GiB'); default: the GPU's total less "
                           "1 GiB, or on CPU 75% of the RAM available at start (dormouse check-config prints it)")
+    models_dir: Path | None = Field(None, description="a directory of GGUF files, each (or each folder of one model "
+                                    "and its mmproj*.gguf) a model named after it, as llama-server's router reads "
+                                    "--models-dir; a [models.ID] table of the same id wins")
+    models_max: int = Field(0, ge=0, le=64, description="at most this many models hold memory at once (the least "
+                            "recently used idle one sleeps for another); 0: the memory budget alone decides")
+    models_autoload: bool = Field(True, description="false: a request for a model that is not loaded (never yet, or "
+                                  "unloaded or evicted since) is refused until POST /models/load; one that fell "
+                                  "asleep when idle still wakes")
 
     # -- sampling defaults: for a request that leaves the field out (llama-server's -n, -s, --temp) --
     n_predict: int | None = Field(
@@ -315,6 +324,11 @@ class Settings(BaseSettings):
     @classmethod
     def _disk_size(cls, value: Any) -> Any:
         return 0 if value in (0, "0") else parse_size(value)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _models_dir(cls, data: Any) -> Any:
+        return with_models_dir(data)
 
     @model_validator(mode="after")
     def _fleet_names(self) -> "Settings":

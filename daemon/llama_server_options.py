@@ -50,7 +50,7 @@ DOWNLOADS = "Dormouse downloads nothing from a URL; download the file and give i
 PRESET = "a preset downloads a model from Hugging Face; give -hf REPO and the options you need"
 NO_UI = "Dormouse has no web UI"
 NO_TOOLS = "built-in tools, MCP and the agent are not served"
-ROUTER = "router mode is not translated: put each model in a [models.ID] table of the config file"
+ROUTER = "a preset file is not translated: put each model in a [models.ID] table of the config file"
 REASONING = ("no server-wide setting for it: send reasoning_format or chat_template_kwargs in each request (-rea off "
              "and --chat-template-kwargs set template variables server-wide)")
 DRAFT_TUNING = "the draft model runs with the main model's threads and llama.cpp's default context parameters"
@@ -348,10 +348,10 @@ OPTIONS: tuple[Option, ...] = (
         negative="--no-slots"),
     opt("--slot-save-path", None, "string", setting("slot_save_path")),
     opt("--media-path", None, "string", refused("local media files are not read: send images in the request")),
-    opt("--models-dir", "LLAMA_ARG_MODELS_DIR", "string", refused(ROUTER)),
+    opt("--models-dir", "LLAMA_ARG_MODELS_DIR", "string", setting("models_dir")),
     opt("--models-preset", "LLAMA_ARG_MODELS_PRESET", "string", refused(ROUTER)),
-    opt("--models-max", "LLAMA_ARG_MODELS_MAX", "int", refused(ROUTER)),
-    opt("--models-autoload", "LLAMA_ARG_MODELS_AUTOLOAD", "switch", refused(ROUTER),
+    opt("--models-max", "LLAMA_ARG_MODELS_MAX", "int", setting("models_max")),
+    opt("--models-autoload", "LLAMA_ARG_MODELS_AUTOLOAD", "switch", setting("models_autoload"),
         negative="--no-models-autoload"),
     opt("--jinja", "LLAMA_ARG_JINJA", "switch", switch(
         accepted("Dormouse always renders the Jinja chat template"),

@@ -90,7 +90,7 @@ def build_fleet(settings: Settings, plans: list[ModelPlan], families: MetricFami
     default = next(plan.id for plan in plans if plan.is_default)
     fleet = Fleet(models, default, budget.bytes, settings.wake_timeout, FleetMetrics(families.registry), log,
                   on_measured=keep_measurement, admit=len(plans) > 1 or settings.memory_budget is not None,
-                  load_timeout=settings.load_timeout)
+                  load_timeout=settings.load_timeout, max_models=settings.models_max)
     log.info("fleet.budget", bytes=budget.bytes, how=budget.how, admission=fleet.admitting,
              models={m.id: m.bytes for m in models})
     return fleet

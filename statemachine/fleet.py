@@ -35,7 +35,9 @@ a load request for one model should do. The answer is one of:
 
 Peers admit by count (Ollama's OLLAMA_MAX_LOADED_MODELS, llama-server's
 --models-max); a count cannot know that two big models do not fit together
-or that three small ones do.
+or that three small ones do. A count may still be asked for (models_max,
+llama-server's --models-max): it is checked first, with the same rules
+(least recently used idle models leave, busy ones are drained), then the bytes.
 """
 
 from __future__ import annotations
@@ -224,8 +226,9 @@ def cache_limits(models: Iterable[ModelView], budget: int) -> dict[str, int]:
     return limits
 
 
-def plan_load(target: str, models: Mapping[str, ModelView], budget: int) -> Decision:
-    """What a load of `target` should do now (see the module docstring)."""
+def plan_load(target: str, models: Mapping[str, ModelView], budget: int, max_models: int = 0) -> Decision:
+    """What a load of `target` should do now (see the module docstring). max_models: at most
+    this many models resident at once (0: no count limit), checked before the bytes."""
     want = models[target]
     if want.resident:
         return StartNow()  # it already holds its memory
@@ -238,9 +241,15 @@ def plan_load(target: str, models: Mapping[str, ModelView], budget: int) -> Deci
         return Refuse(f"model {target} needs {mib(want.bytes)}; of the memory budget of {mib(budget)}, "
                       f"{mib(room_beside_staying)} is left beside pinned models that never sleep: {named(staying)} "
                       f"(unpin one, let it sleep when idle, or put it to sleep with POST /models/unload)")
+    if max_models and sum(m.never_leaves for m in others) >= max_models:
+        return Refuse(f"models_max = {max_models}, and as many pinned models that never sleep hold memory: "
+                      f"{named(m for m in others if m.never_leaves)}", "too_many_models")
     loading = [m.id for m in others if m.state in LOADING_STATES]
     if loading:
         return Wait(f"one load at a time: {loading[0]} is loading")
+    staying = [m for m in others if m.state not in LEAVING_STATES]
+    if max_models and len(staying) >= max_models:
+        return _room_by_count(staying, len(staying) + 1 - max_models, max_models)
     free = budget - sum(m.holding for m in others)
     if want.bytes <= free:
         return StartNow()
@@ -266,3 +275,19 @@ def plan_load(target: str, models: Mapping[str, ModelView], budget: int) -> Deci
                      f"(new requests for {'it' if len(drained) == 1 else 'them'} wait until {target} is loaded)")
     in_the_way = [m for m in others if m.state not in LEAVING_STATES]
     return Wait(f"{short}; in the way: {described(in_the_way)} (a pinned model leaves only when it sleeps when idle)")
+
+
+def _room_by_count(staying: Sequence[ModelView], over: int, max_models: int) -> Decision:
+    """models_max: `over` of the models that stay must leave first, the least recently used idle
+    ones; when too few are idle, the least recently used busy ones are drained, as for bytes."""
+    oldest_first = sorted(staying, key=lambda m: (m.last_used, m.id))
+    idle = [m for m in oldest_first if m.evictable]
+    if len(idle) >= over:
+        return EvictFirst(tuple(m.id for m in idle[:over]))
+    short = f"models_max = {max_models}, and {len(staying)} models hold memory"
+    drained = [m for m in oldest_first if m.drainable][:over - len(idle)]
+    if len(idle) + len(drained) >= over:
+        return Drain(tuple(m.id for m in drained),
+                     f"{short}; waiting for busy {named(drained)} to finish the requests in flight "
+                     f"(new requests for {'it' if len(drained) == 1 else 'them'} wait)")
+    return Wait(f"{short}; in the way: {described(staying)} (a pinned model leaves only when it sleeps when idle)")

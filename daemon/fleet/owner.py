@@ -111,8 +111,9 @@ class PendingLoad:
 class Fleet:
     def __init__(self, models: list[FleetModel], default: str, budget: int, wake_timeout: float,
                  metrics: FleetMetrics, log, on_measured: Callable[[FleetModel], None] | None = None,
-                 admit: bool = True, load_timeout: float = 600.0) -> None:
+                 admit: bool = True, load_timeout: float = 600.0, max_models: int = 0) -> None:
         self.models = {m.id: m for m in models}
+        self.max_models = max_models  # models_max: at most this many resident at once (0: bytes alone)
         self.default = default
         self.budget = budget
         self.wake_timeout = wake_timeout
@@ -242,7 +243,7 @@ class Fleet:
                 self._pending.popleft()
                 continue
             model = self.models[model_id]
-            decision = plan_load(model_id, self.views(), self.budget)
+            decision = plan_load(model_id, self.views(), self.budget, self.max_models)
             if isinstance(decision, StartNow):
                 self._pending.popleft()
                 model.admitted = True

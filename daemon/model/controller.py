@@ -82,6 +82,8 @@ from statemachine.states import HEALTHY_STATES
 # A request that was being served when a worker died this many times is
 # refused rather than allowed to take the model down again.
 POISON_CRASHES = 2
+# What an operator's sleep or an eviction leaves a model "unloaded" in (a drowsy one keeps its weights: loaded).
+UNLOADED_STATES = frozenset({ServerState.STARTING, ServerState.UNLOADING, ServerState.SLEEPING, ServerState.LIGHT_SLEEP})
 POISON_MEMORY = 1024  # fingerprints remembered (least recently struck forgotten first)
 # After the shutdown deadline, cancelled requests get this long to finish
 # before the worker is killed (a hung worker never answers a cancel).
@@ -148,6 +150,9 @@ class Controller(SleepTiers, WorkerLifecycle):
         # it busy for ever, so that it falls idle and can be put to sleep.
         self.holding = False
         self.held: OrderedDict[str, Job] = OrderedDict()
+        # Not loaded yet, or put to sleep by an operator or an eviction since (not by its idle timer):
+        # with models_autoload = false only POST /models/load loads it (llama-server's router "unloaded").
+        self.unloaded = True
         metrics.idle_timeout_seconds.set(settings.sleep_idle_seconds)
         metrics.set_state(self.state)
         metrics.set_tier(None)
@@ -178,6 +183,8 @@ class Controller(SleepTiers, WorkerLifecycle):
                 continue
             if self.state is not before:
                 self._on_state_change(before, event)
+                if isinstance(event, SleepRequested) and self.state in UNLOADED_STATES:
+                    self.unloaded = True
             for command in commands:
                 try:
                     self._execute(command)
@@ -235,6 +242,10 @@ class Controller(SleepTiers, WorkerLifecycle):
         job.wake_seconds = None
         if self.closed:  # this model has stopped (others of the fleet may still be draining)
             job.put(JobFailure(503, "shutting_down", "server is shutting down", 1.0))
+            return job
+        if self.unloaded and not self.settings.models_autoload and self.state in UNLOADED_STATES:
+            job.put(JobFailure(400, "model_not_loaded", f"model {self.model_id} is not loaded, and models_autoload is "
+                                                        "off: load it first (POST /models/load)"))
             return job
         if self._crash_strikes.get(_fingerprint(job.submit), 0) >= POISON_CRASHES:
             self.metrics.poison_refusals.inc()
@@ -471,6 +482,8 @@ class Controller(SleepTiers, WorkerLifecycle):
 
     def _on_state_change(self, before: ServerState, event: Event) -> None:
         after = self.state
+        if after is ServerState.READY:
+            self.unloaded = False
         self.state_since = time.time()
         self.metrics.set_state(after)
         self.tier_gauges()

@@ -27,9 +27,14 @@ def test_every_setting_appears_in_the_example():
 
 def test_every_key_in_the_example_is_a_setting_and_its_value_loads(tmp_path):
     every_key = tmp_path / "every.toml"
-    every_key.write_text(uncommented(EXAMPLE.read_text()))
+    # models_dir is read when the settings are: the example's directory, here with one model in it.
+    (tmp_path / "srv").mkdir()
+    (tmp_path / "srv" / "small.gguf").write_bytes(b"GGUF")
+    text = uncommented(EXAMPLE.read_text())
+    assert 'models_dir = "/srv/models"' in text
+    every_key.write_text(text.replace('models_dir = "/srv/models"', f'models_dir = "{tmp_path / "srv"}"'))
     settings = load_settings(every_key)  # ConfigError names an unknown key or a bad value
-    assert set(settings.models) == {"chat", "coder"} and settings.models["coder"].ctx_size == 16384
+    assert set(settings.models) == {"chat", "coder", "small"} and settings.models["coder"].ctx_size == 16384
     assert settings.api_keys["alice"].get_secret_value() == "change-me-alice"
 
 

@@ -249,3 +249,57 @@ def test_the_fewest_victims_are_chosen_by_what_they_hold_now():
 def test_a_rousing_model_is_a_load_under_way():
     rousing = ModelView("a", 4 * GiB, True, S.ROUSING, 0)
     assert isinstance(plan_load("b", fleet(rousing, asleep("b", 1)), 10 * GiB), Wait)
+
+
+# -- models_max (llama-server's --models-max): a count, checked before the bytes --
+
+def test_models_max_puts_the_least_recently_used_idle_model_to_sleep_though_the_bytes_fit():
+    models = fleet(loaded("old", 1, last_used=1), loaded("new", 1, last_used=2), asleep("b", 1))
+    assert plan_load("b", models, 100 * GiB) == StartNow()  # no count limit: the bytes fit
+    assert plan_load("b", models, 100 * GiB, max_models=2) == EvictFirst(("old",))
+    assert plan_load("b", models, 100 * GiB, max_models=1) == EvictFirst(("old", "new"))
+    assert plan_load("b", models, 100 * GiB, max_models=3) == StartNow()
+    assert plan_load("new", models, 100 * GiB, max_models=1) == StartNow()  # resident already
+
+
+def test_models_max_drains_a_busy_model_rather_than_evict_it_under_its_requests():
+    # llama-server's test_router_queue_does_not_evict_busy_model: models_max 1, the one model busy.
+    models = fleet(loaded("a", 1, busy=True), asleep("b", 1))
+    decision = plan_load("b", models, 100 * GiB, max_models=1)
+    assert isinstance(decision, Drain) and decision.models == ("a",) and "models_max = 1" in decision.reason
+    # An idle one goes first; the busy one is drained only for what the idle ones cannot make.
+    models = fleet(loaded("busy", 1, last_used=0, busy=True), loaded("idle", 1, last_used=5), asleep("b", 1))
+    assert plan_load("b", models, 100 * GiB, max_models=2) == EvictFirst(("idle",))
+    decision = plan_load("b", models, 100 * GiB, max_models=1)
+    assert isinstance(decision, Drain) and decision.models == ("busy",)
+
+
+def test_models_max_counts_no_leaving_model_and_waits_for_pinned_ones():
+    models = fleet(ModelView("going", GiB, True, S.UNLOADING, 0), loaded("a", 1), asleep("b", 1))
+    assert plan_load("b", models, 100 * GiB, max_models=2) == StartNow()
+    models = fleet(loaded("pin", 1, pinned=True), asleep("b", 1))
+    decision = plan_load("b", models, 100 * GiB, max_models=1)
+    assert isinstance(decision, Wait) and "pin" in decision.reason  # it sleeps when idle: then there is room
+    models = fleet(loaded("pin", 1, pinned=True, sleeps_when_idle=False), asleep("b", 1))
+    decision = plan_load("b", models, 100 * GiB, max_models=1)
+    assert isinstance(decision, Refuse) and decision.code == "too_many_models" and "pin" in decision.reason
+
+
+def test_models_max_is_never_exceeded_over_random_fleets():
+    """Whatever the fleet, a StartNow under models_max leaves at most models_max models staying."""
+    rng = random.Random(7)
+    for _ in range(400):
+        n, cap = rng.randint(1, 6), rng.randint(1, 4)
+        models = {}
+        for i in range(n):
+            state = rng.choice([S.READY, S.READY, S.SLEEPING, S.UNLOADING, S.DROWSY])
+            models[f"m{i}"] = ModelView(f"m{i}", GiB, state not in (S.SLEEPING,), state, rng.random(),
+                                        busy=rng.random() < 0.3, pinned=rng.random() < 0.2)
+        target = rng.choice(list(models))
+        decision = plan_load(target, models, 100 * GiB, max_models=cap)
+        staying = [m for m in models.values() if m.resident and m.state is not S.UNLOADING and m.id != target]
+        if isinstance(decision, StartNow) and not models[target].resident:
+            assert len(staying) + 1 <= cap
+        if isinstance(decision, EvictFirst):
+            assert all(models[v].evictable for v in decision.victims)
+            assert len(staying) - len(decision.victims) + 1 <= cap

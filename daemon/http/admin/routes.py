@@ -101,6 +101,10 @@ async def props(request: web.Request) -> web.Response:
                      "tiers": c.metrics.prompt_cache if c.slots and not _hides_cache_counts(request) else {}},
         "fleet": {"budget_bytes": fleet.budget, "planned_bytes": fleet.planned_bytes(), "admission": fleet.admitting,
                   "models": [fleet.describe(m) for m in fleet.models.values()]},
+        # llama-server's router: role, max_instances (models_max; 0: the memory budget alone), models_autoload.
+        "role": "router" if len(fleet.models) > 1 else "model",
+        "max_instances": fleet.max_models,
+        "models_autoload": request.app[SETTINGS].models_autoload,
     })
 
 

@@ -1,0 +1,77 @@
+"""llama-server's router options on the fleet, over HTTP on fake workers: models_max (--models-max)
+puts the least recently used idle model to sleep for another, and never one under its requests;
+models_autoload = false (--no-models-autoload) refuses a model that is not loaded until
+POST /models/load, while one that fell asleep when idle still wakes; /props says both."""
+
+from __future__ import annotations
+
+import asyncio
+
+from statemachine import ServerState
+from tests.conftest import fake_fleet
+
+GiB = 2**30
+TWO = {"a": {}, "b": {}}
+
+
+async def until(predicate, timeout=10):
+    for _ in range(int(timeout / 0.02)):
+        if predicate():
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError("condition not reached")
+
+
+async def complete(client, model, **body):
+    return await client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 3, "model": model, **body})
+
+
+def state(fleet, model_id):
+    return fleet.models[model_id].controller.state
+
+
+async def test_models_max_puts_the_other_model_to_sleep_though_the_memory_would_fit():
+    async with fake_fleet(TWO, memory_budget=100 * GiB, models_max=1) as (fleet, client):
+        props = await (await client.get("/props")).json()
+        assert props["role"] == "router" and props["max_instances"] == 1 and props["models_autoload"] is True
+        for model_id, other in (("a", "b"), ("b", "a"), ("a", "b")):
+            response = await complete(client, model_id)
+            assert response.status == 200, await response.text()
+            assert state(fleet, model_id) is ServerState.READY
+            await until(lambda: state(fleet, other) is ServerState.SLEEPING)
+
+
+async def test_models_max_waits_for_a_busy_model_rather_than_evict_it():
+    async with fake_fleet(TWO, memory_budget=100 * GiB, models_max=1) as (fleet, client):
+        assert (await complete(client, "a")).status == 200
+        # A long answer keeps "a" busy; "b" must wait for it, and "a" finishes whole.
+        busy = asyncio.create_task(complete(client, "a", max_tokens=60))
+        await until(lambda: fleet.models["a"].controller.machine.in_flight)
+        waiting = asyncio.create_task(complete(client, "b"))
+        first = await busy
+        assert first.status == 200 and (await first.json())["usage"]["completion_tokens"] == 60
+        second = await waiting
+        assert second.status == 200, await second.text()
+        assert state(fleet, "a") in (ServerState.SLEEPING, ServerState.UNLOADING)
+
+
+async def test_without_autoload_a_model_is_served_only_once_loaded():
+    async with fake_fleet(TWO, memory_budget=100 * GiB, models_autoload=False,
+                          sleep_idle_seconds=0.5) as (fleet, client):
+        await until(lambda: state(fleet, "a") is ServerState.READY)  # the default model loads at start
+        assert (await complete(client, "a")).status == 200
+        refused = await complete(client, "b")
+        assert refused.status == 400
+        error = (await refused.json())["error"]
+        assert error["code"] == "model_not_loaded" and "POST /models/load" in error["message"]
+        assert state(fleet, "b") is not ServerState.READY  # the refusal woke nothing
+        loaded = await client.post("/models/load", json={"model": "b"})
+        assert loaded.status == 200 and (await loaded.json())["success"] is True
+        assert (await complete(client, "b")).status == 200
+        unloaded = await client.post("/models/unload", json={"model": "b"})
+        assert unloaded.status == 200
+        assert (await complete(client, "b")).status == 400  # unloaded by the operator: refused again
+        # Asleep by its idle timer, "a" is still loaded in the router's sense: a request wakes it.
+        await until(lambda: state(fleet, "a") is ServerState.SLEEPING)
+        assert (await complete(client, "a")).status == 200
+        assert (await (await client.get("/props")).json())["models_autoload"] is False
