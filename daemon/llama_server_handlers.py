@@ -182,3 +182,20 @@ def legacy_mmap(value: bool, spelling: str, out: Translation) -> None:
     locked = out.settings.get("load_mode") in ("mlock", "mmap+mlock")
     out.settings["load_mode"] = ("mmap+mlock" if locked else "mmap") if value else ("mlock" if locked else "none")
     out.origins["load_mode"] = spelling
+
+
+def models_preset(text: str, spelling: str, out: Translation) -> None:
+    """--models-preset FILE.ini: each section a [models.ID] table (daemon/llama_server_preset.py)."""
+    from daemon.llama_server_preset import models_from_preset
+
+    tables, common = models_from_preset(text, spelling, out.notes)
+    # [*] is the router's command line, under the real one: an option given there too wins.
+    for key, value in common.settings.items():
+        out.settings.setdefault(key, value)
+        out.origins.setdefault(key, f"{spelling} [*]")
+    for key, value in common.llama_options.items():
+        out.llama_options.setdefault(key, value)
+        out.origins.setdefault(key, f"{spelling} [*]")
+    out.notes.extend(common.notes)
+    out.settings["models"] = {**tables, **out.settings.get("models", {})}
+    out.origins["models"] = spelling

@@ -50,7 +50,6 @@ DOWNLOADS = "Dormouse downloads nothing from a URL; download the file and give i
 PRESET = "a preset downloads a model from Hugging Face; give -hf REPO and the options you need"
 NO_UI = "Dormouse has no web UI"
 NO_TOOLS = "built-in tools, MCP and the agent are not served"
-ROUTER = "a preset file is not translated: put each model in a [models.ID] table of the config file"
 REASONING = ("no server-wide setting for it: send reasoning_format or chat_template_kwargs in each request (-rea off "
              "and --chat-template-kwargs set template variables server-wide)")
 DRAFT_TUNING = "the draft model runs with the main model's threads and llama.cpp's default context parameters"
@@ -349,7 +348,9 @@ OPTIONS: tuple[Option, ...] = (
     opt("--slot-save-path", None, "string", setting("slot_save_path")),
     opt("--media-path", None, "string", refused("local media files are not read: send images in the request")),
     opt("--models-dir", "LLAMA_ARG_MODELS_DIR", "string", setting("models_dir")),
-    opt("--models-preset", "LLAMA_ARG_MODELS_PRESET", "string", refused(ROUTER)),
+    opt("--models-preset", "LLAMA_ARG_MODELS_PRESET", "string", custom(
+        "mapped", "read: each section becomes a `[models.ID]` table, its options translated as on the command "
+                  "line", handlers.models_preset)),
     opt("--models-max", "LLAMA_ARG_MODELS_MAX", "int", setting("models_max")),
     opt("--models-autoload", "LLAMA_ARG_MODELS_AUTOLOAD", "switch", setting("models_autoload"),
         negative="--no-models-autoload"),

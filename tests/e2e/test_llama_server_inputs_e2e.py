@@ -186,10 +186,11 @@ def test_a_request_pinned_to_a_busy_slot_waits_for_it(two_slots):
     assert order == [("stream", 200), ("pinned", 200)]
 
 
-def test_a_router_command_line_serves_a_models_dir_within_models_max(tmp_path, bundled_model):
-    """`llama-server --models-dir DIR --models-max 1 --no-models-autoload`, unchanged: each GGUF (and
-    each folder of one) is a model; a model not loaded is refused until POST /models/load; loading a
-    second puts the first to sleep."""
+def test_a_router_command_line_serves_a_models_dir_and_presets_within_models_max(tmp_path, bundled_model):
+    """`llama-server --models-dir DIR --models-preset FILE --models-max 1 --no-models-autoload`,
+    unchanged: each GGUF (and each folder of one) is a model, each preset section one more with its own
+    options; a model not loaded is refused until POST /models/load; loading a second puts the first to
+    sleep."""
     import os
 
     from tests.conftest import DaemonProcess
@@ -198,12 +199,17 @@ def test_a_router_command_line_serves_a_models_dir_within_models_max(tmp_path, b
     (models / "gemma-b").mkdir(parents=True)
     os.symlink(bundled_model, models / "gemma-a.gguf")
     os.symlink(bundled_model, models / "gemma-b" / "gemma-b.gguf")
-    d = DaemonProcess("--models-dir", str(models), "--models-max", "1", "--no-models-autoload", "-c", "512",
-                      "-np", "1", "--threads", "2", "--config", os.devnull, log_path=tmp_path / "daemon.log")
+    preset = tmp_path / "presets.ini"
+    preset.write_text(f"version = 1\n[*]\nc = 512\n\n[gemma-c]\nmodel = {bundled_model}\nc = 256\nalias = tiny\n")
+    d = DaemonProcess("--models-dir", str(models), "--models-preset", str(preset), "--models-max", "1",
+                      "--no-models-autoload", "-np", "1", "--threads", "2", "--config", os.devnull,
+                      log_path=tmp_path / "daemon.log")
     try:
         d.wait_state("ready", "sleeping", timeout=120)
-        listed = {m["id"] for m in d.http.get("/v1/models").json()["data"]}
-        assert listed == {"gemma-a", "gemma-b"}
+        listed = {m["id"]: m["aliases"] for m in d.http.get("/v1/models").json()["data"]}
+        assert listed == {"gemma-c": ["tiny"], "gemma-a": [], "gemma-b": []}
+        assert d.http.get("/props", params={"model": "tiny"}).json()["n_ctx"] == 256
+        assert d.http.get("/props", params={"model": "gemma-b"}).json()["n_ctx"] == 512
         props = d.http.get("/props").json()
         assert (props["role"], props["max_instances"], props["models_autoload"]) == ("router", 1, False)
 
@@ -211,12 +217,12 @@ def test_a_router_command_line_serves_a_models_dir_within_models_max(tmp_path, b
             return d.http.post("/v1/chat/completions", json={"model": model, "max_tokens": 2,
                                                              "messages": [{"role": "user", "content": "hi"}]})
 
-        assert chat("gemma-a").status_code == 200  # the default model loads at start
+        assert chat("gemma-c").status_code == 200  # the default model (the first table) loads at start
         refused = chat("gemma-b")
         assert refused.status_code == 400 and refused.json()["error"]["code"] == "model_not_loaded"
         assert d.http.post("/models/load", json={"model": "gemma-b"}).json()["success"] is True
         assert chat("gemma-b").status_code == 200
         statuses = {m["id"]: m["status"] for m in d.http.get("/v1/models").json()["data"]}
-        assert statuses == {"gemma-a": "sleeping", "gemma-b": "loaded"}  # models_max 1: a made room
+        assert statuses == {"gemma-a": "sleeping", "gemma-b": "loaded", "gemma-c": "sleeping"}  # models_max 1
     finally:
         d.stop()

@@ -68,6 +68,8 @@ SAMPLES: dict[str, tuple[str, dict]] = {
     "--cache-reuse": ("256", {}),
     "--slot-save-path": ("/var/slots", {"slot_save_path": "/var/slots"}),
     "--models-dir": ("/srv/models", {"models_dir": "/srv/models"}),
+    "--models-preset": (str(Path(__file__).parents[1] / "fixtures" / "router_preset.ini"),
+                        {"ctx_size": 2048, "models": {"chat": {"path": "/models/chat.gguf"}}}),
     "--models-max": ("2", {"models_max": 2}),
     "--chat-template": ("chatml", {"chat_template": "chatml"}),
     "--chat-template-file": ("/t.jinja", {"chat_template_file": "/t.jinja"}),
