@@ -62,6 +62,16 @@ def _folder_model(folder: Path) -> dict[str, str]:
     return table
 
 
+def _readable_name(table: dict[str, str]) -> None:
+    """A path the worker protocol can carry (UTF-8): a name in another encoding is refused here, at start."""
+    for path in table.values():
+        try:
+            path.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ValueError(f"models_dir: {path.encode('utf-8', 'replace').decode()}: the file name is not "
+                             "UTF-8; rename it") from None
+
+
 def models_in_dir(directory: Path) -> dict[str, dict[str, str]]:
     """{model id: {"path": ..., "mmproj": ...}} for each model in `directory`, in name order."""
     if not directory.is_dir():
@@ -71,9 +81,15 @@ def models_in_dir(directory: Path) -> dict[str, dict[str, str]]:
         if entry.name.startswith("."):
             continue
         if entry.is_dir() and _ggufs(entry):
-            found[_model_id(entry.name, entry)] = _folder_model(entry)
+            model_id, table = _model_id(entry.name, entry), _folder_model(entry)
         elif entry.is_file() and entry.suffix.lower() == ".gguf" and not _is_projector(entry):
-            found[_model_id(entry.name[:-len(entry.suffix)], entry)] = {"path": str(entry)}
+            model_id, table = _model_id(entry.name[:-len(entry.suffix)], entry), {"path": str(entry)}
+        else:
+            continue
+        if model_id in found:
+            raise ValueError(f"models_dir: {directory}: both a file and a folder are named {model_id!r}; keep one")
+        _readable_name(table)
+        found[model_id] = table
         if len(found) > MAX_ENTRIES:
             raise ValueError(f"models_dir: {directory} holds more than {MAX_ENTRIES} models (the fleet's bound)")
     if not found:
@@ -85,7 +101,14 @@ def with_models_dir(data):
     """The settings' raw data with models_dir's models added as tables (a table of the same id wins)."""
     if not isinstance(data, dict) or not data.get("models_dir"):
         return data
+    directory = data["models_dir"]
+    if not isinstance(directory, (str, Path)):
+        raise ValueError(f"models_dir: expects a directory's path, got {type(directory).__name__}")
+    try:
+        found = models_in_dir(Path(directory).expanduser())
+    except OSError as exc:  # a folder it may not read (lost+found), a name the system refuses: one line, no traceback
+        raise ValueError(f"models_dir: cannot read {exc.filename or directory}: {exc.strerror or exc}") from None
     tables = dict(data.get("models") or {})
-    for model_id, table in models_in_dir(Path(data["models_dir"]).expanduser()).items():
+    for model_id, table in found.items():
         tables.setdefault(model_id, table)
     return {**data, "models": tables}

@@ -340,11 +340,7 @@ OPTIONS: tuple[Option, ...] = (
     opt("--metrics", "LLAMA_ARG_ENDPOINT_METRICS", "flag",
         accepted("/metrics is always served (metrics_compat=llamacpp adds llama-server's names)")),
     opt("--props", "LLAMA_ARG_ENDPOINT_PROPS", "flag", refused("POST /props cannot change Dormouse's settings")),
-    opt("--slots", "LLAMA_ARG_ENDPOINT_SLOTS", "switch", switch(
-        # llama-server's own test suite passes --no-slots on every start: refusing it refused every such command line.
-        accepted("/slots is always served"),
-        accepted("/slots is always served; guard it with --api-key")),
-        negative="--no-slots"),
+    opt("--slots", "LLAMA_ARG_ENDPOINT_SLOTS", "switch", setting("slots_endpoint"), negative="--no-slots"),
     opt("--slot-save-path", None, "string", setting("slot_save_path")),
     opt("--media-path", None, "string", refused("local media files are not read: send images in the request")),
     opt("--models-dir", "LLAMA_ARG_MODELS_DIR", "string", setting("models_dir")),

@@ -269,9 +269,9 @@ def _reload(fleet: Fleet, notifier: Notifier, reload_settings: Callable[[], Sett
     notifier.reloading()
     try:
         fresh = reload_settings()
-    except ConfigError as exc:
-        log.error("reload.failed", error=str(exc))
-        notifier.ready(f"{fleet_status(fleet)} (reload failed)")
+    except Exception as exc:  # noqa: BLE001 - a ConfigError names the problem; anything else is a bug, still answered
+        log.error("reload.failed", error=str(exc) if isinstance(exc, ConfigError) else repr(exc))
+        notifier.ready(f"{fleet_status(fleet)} (reload failed)")  # systemd hears READY=1 after RELOADING=1, always
         return
     configure_logging(fresh.log_format, fresh.log_level)
     applied = {}

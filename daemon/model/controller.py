@@ -183,8 +183,8 @@ class Controller(SleepTiers, WorkerLifecycle):
                 continue
             if self.state is not before:
                 self._on_state_change(before, event)
-                if isinstance(event, SleepRequested) and self.state in UNLOADED_STATES:
-                    self.unloaded = True
+            if isinstance(event, SleepRequested) and self.state in UNLOADED_STATES:
+                self.unloaded = True  # an operator's sleep or an eviction, the model asleep already or not
             for command in commands:
                 try:
                     self._execute(command)

@@ -71,11 +71,11 @@ class Runtime:
 
     def __post_init__(self) -> None:
         self.threads = self.spec.threads or os.cpu_count() or 1
+        self._log_tail = ""
+        self._last_level = 2
         global _log_sink
         _log_sink = weakref.ref(self)  # the newest Runtime hears llama.cpp (a worker holds one)
         llama.llama_log_set(_LLAMA_LOG, None)
-        self._log_tail = ""
-        self._last_level = 2
 
     # -- logging: llama.cpp and ggml write through this, fds 1 and 2 stay ours --
 

@@ -40,9 +40,11 @@ class SlotAssignment:
     def _admit(self) -> None:
         """Move queued requests onto idle slots, best cache match first."""
         self._finish_restores()
+        passed: set[str] = set()  # pinned requests whose slot is taken: they wait, the ones behind them go on
         while self.queue:
             # A structured request waits in the queue while its tokenizer builds off this thread (structured.py).
-            msg = startable(self.queue, self.vocab, idle=all(s.job is None for s in self.slots))
+            msg = startable([m for m in self.queue if m.request_id not in passed], self.vocab,
+                            idle=all(s.job is None for s in self.slots))
             if msg is None:
                 return
             idle = [s for s in self.slots if s.job is None and s.reserved_for is None]
@@ -50,7 +52,10 @@ class SlotAssignment:
                 return  # first in, first served: n choices wait for n slots
             if 0 <= msg.slot < len(self.slots):
                 if self.slots[msg.slot] not in idle:
-                    return  # first in, first served: a pinned request waits for its slot
+                    # It waits for its slot (first in, first served there: it stays ahead in the queue),
+                    # and holds no other: a request pinned to a busy slot never stalls the rest.
+                    passed.add(msg.request_id)
+                    continue
                 idle = [self.slots[msg.slot]]
             self.queue.remove(msg)
             try:
@@ -111,8 +116,7 @@ class SlotAssignment:
         read rather than spin (the channel thread answers pings meanwhile)."""
         if not self.restoring:
             return
-        idle = any(s.job is None and s.reserved_for is None for s in self.slots)
-        if all(s.job is None for s in self.slots) and not self.embedding_work and not (self.queue and idle):
+        if all(s.job is None for s in self.slots) and not self.embedding_work and not self._queue_can_start():
             self.restoring[0][0].done.wait(RESTORE_WAIT_SECONDS)
         for item in [item for item in self.restoring if item[0].done.is_set()]:
             self.restoring.remove(item)
@@ -121,6 +125,11 @@ class SlotAssignment:
             restored = self.saved.finish_read(slot, read)
             self._assign(slot, msg, tokens, sampler, *self.reuse_plan(slot, tokens, msg.cache_scope))
             self._started(slot, msg, [slot], restored)
+
+    def _queue_can_start(self) -> bool:
+        """A queued request has an idle slot it may take (a pinned one only its own)."""
+        idle = {s.id for s in self.slots if s.job is None and s.reserved_for is None}
+        return bool(idle) and any(not 0 <= m.slot < len(self.slots) or m.slot in idle for m in self.queue)
 
     def _cancel_restoring(self, request_id: str | None = None) -> bool:
         """Drop the waiting restores of a request (or all): their slots are free

@@ -537,3 +537,17 @@ async def test_verbose_answers_give_every_whole_chat_answer_its_prompt(submits):
         assert "Book" in body["__verbose"]["prompt"]
         plain = await (await client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})).json()
         assert "__verbose" not in plain  # chat answers only
+
+
+async def test_no_slots_turns_get_slots_off_and_props_still_lists_them():
+    """llama-server's test_server_slots: --no-slots answers GET /slots with 501 and an error."""
+    async with fake_daemon(slots_endpoint=False) as (controller, client):
+        await ready(controller)
+        response = await client.get("/slots")
+        assert response.status == 501
+        error = (await response.json())["error"]
+        assert error["code"] == "not_supported" and "slots_endpoint" in error["message"]
+        assert len((await (await client.get("/props")).json())["slots"]) >= 1
+    async with fake_daemon() as (controller, client):
+        await ready(controller)
+        assert (await client.get("/slots")).status == 200

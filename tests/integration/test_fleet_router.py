@@ -74,4 +74,8 @@ async def test_without_autoload_a_model_is_served_only_once_loaded():
         # Asleep by its idle timer, "a" is still loaded in the router's sense: a request wakes it.
         await until(lambda: state(fleet, "a") is ServerState.SLEEPING)
         assert (await complete(client, "a")).status == 200
+        # Unloaded by the operator after its idle timer put it to sleep: refused, as any unloaded model.
+        await until(lambda: state(fleet, "a") is ServerState.SLEEPING)
+        assert (await client.post("/models/unload", json={"model": "a"})).status == 200
+        assert (await complete(client, "a")).status == 400
         assert (await (await client.get("/props")).json())["models_autoload"] is False

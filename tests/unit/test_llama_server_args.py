@@ -103,7 +103,7 @@ SWITCHES: dict[str, tuple[dict | None, dict | None]] = {
     "--jinja": ({}, None),
     "--metrics": ({}, None),
     "--models-autoload": ({"models_autoload": True}, {"models_autoload": False}),
-    "--slots": ({}, None),
+    "--slots": ({"slots_endpoint": True}, {"slots_endpoint": False}),
     "-kvu": (None, {}),
     "--context-shift": (None, {}),
     "-cb": ({}, None),

@@ -64,3 +64,43 @@ def test_settings_read_the_directory_and_a_config_table_wins(tmp_path):
     assert str(settings.models["b"].path) == "/elsewhere/b.gguf" and settings.models["b"].ctx_size == 1024
     with pytest.raises(ValidationError, match="models_dir"):
         Settings(models_dir=tmp_path / "nope")
+
+
+def test_a_folder_it_may_not_read_a_wrong_type_a_clash_or_a_foreign_name_is_one_config_line(tmp_path):
+    import os
+
+    from config import ConfigError, load_settings
+
+    touch(tmp_path / "a.gguf")
+    touch(tmp_path / "a" / "a.gguf")
+    with pytest.raises(ValueError, match="both a file and a folder are named 'a'"):
+        models_in_dir(tmp_path)
+    (tmp_path / "a" / "a.gguf").unlink()
+    (tmp_path / "a").rmdir()
+    with pytest.raises(ConfigError, match="models_dir: expects a directory"):
+        load_settings(None, {"models_dir": 5})
+    if os.name == "posix" and os.geteuid() != 0:  # root reads any folder
+        locked = tmp_path / "lost+found"
+        locked.mkdir(mode=0o000)
+        with pytest.raises(ConfigError, match="models_dir: cannot read"):
+            load_settings(None, {"models_dir": str(tmp_path)})
+        locked.chmod(0o700)
+    folder = tmp_path / "latin"
+    touch(folder / os.fsdecode(b"caf\xe9.gguf"))
+    with pytest.raises(ValueError, match="not UTF-8"):
+        models_in_dir(tmp_path)
+
+
+def test_an_unreadable_directory_is_a_config_error_not_a_traceback(tmp_path, monkeypatch):
+    from pathlib import Path
+
+    from config import ConfigError, load_settings
+
+    touch(tmp_path / "a.gguf")
+
+    def refuse(self):
+        raise PermissionError(13, "Permission denied", str(self))
+
+    monkeypatch.setattr(Path, "iterdir", refuse)  # as for a lost+found the daemon's user may not read
+    with pytest.raises(ConfigError, match="models_dir: cannot read .*Permission denied"):
+        load_settings(None, {"models_dir": str(tmp_path)})

@@ -131,6 +131,9 @@ def _slots(c, hide_cached: bool = False) -> list[dict]:
 
 
 async def slots(request: web.Request) -> web.Response:
+    if not request.app[SETTINGS].slots_endpoint:
+        raise ApiError(501, "GET /slots is turned off (slots_endpoint = false, llama-server's --no-slots); /props "
+                            "lists the slots too", "not_supported")
     c = (await model_param(request) or request.app[FLEET].default_model).controller
     return web.json_response(_slots(c, _hides_cache_counts(request)))
 
