@@ -9,17 +9,10 @@ import asyncio
 
 from statemachine import ServerState
 from tests.conftest import fake_fleet
+from tests.integration.test_fleet_http import until
 
 GiB = 2**30
 TWO = {"a": {}, "b": {}}
-
-
-async def until(predicate, timeout=10):
-    for _ in range(int(timeout / 0.02)):
-        if predicate():
-            return
-        await asyncio.sleep(0.02)
-    raise AssertionError("condition not reached")
 
 
 async def complete(client, model, **body):
