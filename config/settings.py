@@ -209,6 +209,7 @@ class Settings(BaseSettings):
         True, description="accept llama-server's raw `grammar` (GBNF) field, read by llguidance's GBNF reader under the "
                           "same per-token limits as json_schema (a grammar past them ends its own request with an "
                           "error, never stalls the others); false refuses the field")
+    status_page: bool = Field(True, description="the status page at / and /ui; false: 404 there (llama-server's --no-ui)")
     slots_endpoint: bool = Field(True, description="false: GET /slots answers 501, as llama-server's --no-slots "
                                  "(/props and the status page still show the slots)")
     verbose_answers: bool = Field(

@@ -48,7 +48,7 @@ TENSOR_OVERRIDES = "tensor and metadata overrides are not supported (llama_optio
 ADAPTERS = "LoRA adapters and control vectors are not supported"
 DOWNLOADS = "Dormouse downloads nothing from a URL; download the file and give its path, or use -hf"
 PRESET = "a preset downloads a model from Hugging Face; give -hf REPO and the options you need"
-NO_UI = "Dormouse has no web UI"
+NO_UI = "Dormouse has no chat web UI (its status page at / is turned off by --no-ui)"
 NO_TOOLS = "built-in tools, MCP and the agent are not served"
 REASONING = ("no server-wide setting for it: send reasoning_format or chat_template_kwargs in each request (-rea off "
              "and --chat-template-kwargs set template variables server-wide)")
@@ -310,7 +310,8 @@ OPTIONS: tuple[Option, ...] = (
     opt("--mcp-servers-json", "LLAMA_ARG_MCP_SERVERS_JSON", "string", refused(NO_TOOLS)),
     opt("-ag --agent", "LLAMA_ARG_AGENT", "switch", switch(refused(NO_TOOLS), accepted(NO_TOOLS)),
         negative="-no-ag --no-agent"),
-    opt("--ui --webui", "LLAMA_ARG_UI", "switch", switch(refused(NO_UI), accepted(NO_UI)),
+    opt("--ui --webui", "LLAMA_ARG_UI", "switch", setting(
+        "status_page", doc="mapped to `status_page` (Dormouse's status page at /, not llama-server's chat UI)"),
         negative="--no-ui --no-webui"),
     opt("--embedding --embeddings", "LLAMA_ARG_EMBEDDINGS", "flag", const({"embeddings": True},
                                                                           "mapped to `embeddings` = true")),

@@ -375,6 +375,8 @@ def build_app(fleet: Fleet, settings: Settings, metrics: MetricFamilies, log) ->
     listening = Listening()
     listening.bind(settings.host)  # the server corrects it from the sockets it serves (daemon/server.py)
     app[LISTENING] = listening
-    for routes in (openai, llama_server, responses, anthropic, ollama, infill, rerank, admin, slot_files, status_page):
+    for routes in (openai, llama_server, responses, anthropic, ollama, infill, rerank, admin, slot_files):
         routes.add_routes(app)
+    if settings.status_page:  # off: / and /ui are 404, as llama-server's --no-ui leaves them
+        status_page.add_routes(app)
     return app

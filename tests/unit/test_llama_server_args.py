@@ -104,6 +104,7 @@ SWITCHES: dict[str, tuple[dict | None, dict | None]] = {
     "--metrics": ({}, None),
     "--models-autoload": ({"models_autoload": True}, {"models_autoload": False}),
     "--slots": ({"slots_endpoint": True}, {"slots_endpoint": False}),
+    "--ui": ({"status_page": True}, {"status_page": False}),
     "-kvu": (None, {}),
     "--context-shift": (None, {}),
     "-cb": ({}, None),

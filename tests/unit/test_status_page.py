@@ -80,3 +80,10 @@ async def test_the_page_and_its_files_are_logged_as_quietly_as_a_scrape(monkeypa
     levels = dict((endpoint, level) for level, endpoint in lines)
     assert levels["/"] == levels["/ui"] == levels["/ui/status.js"] == levels["/props"] == "debug", lines
     assert levels["/nope"] == "info", lines  # the rest is still worth a line
+
+
+async def test_status_page_false_leaves_no_page_as_llama_servers_no_ui():
+    async with fake_daemon(status_page=False) as (_, client):
+        for path in ("/", "/ui", "/ui/status.js"):
+            assert (await client.get(path)).status == 404
+        assert (await client.get("/health")).status == 200  # the API is all still there
