@@ -32,6 +32,7 @@ KEY_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 
 
 from config.models_dir import with_models_dir  # noqa: E402
+from config.network import MAX_HOSTS, admin_key_problem, host_list, is_loopback_host, normalize_host, normalize_origin  # noqa: E402,F401
 from config.models import MODEL_ID, ModelSettings, check_chat_template, check_model_ids, parse_size  # noqa: E402
 from config.sources import find_config_file  # noqa: E402
 from config.llama_options import LlamaOptions  # noqa: E402
@@ -42,74 +43,13 @@ class ConfigError(ValueError):
     """Bad configuration; the message names the key and where it came from."""
 
 
-def normalize_host(name: str, strict: bool = False) -> str:
-    """A host name as compared with allowed_hosts: lower case, no trailing dot,
-    IPv6 without brackets and in its short form. `strict` refuses what is not
-    a host name (a port, a scheme, a wildcard); lenient returns "" for it."""
-    host = name.strip().lower().rstrip(".")
-    if host.startswith("[") and host.endswith("]"):
-        host = host[1:-1]
-    if ":" in host:
-        try:
-            return ipaddress.IPv6Address(host).compressed
-        except ValueError:
-            if strict:
-                raise ValueError(f"{name!r} is not a host name (give names without port or scheme)") from None
-            return ""
-    if not host or len(host) > 253 or not all(ch.isascii() and (ch.isalnum() or ch in "-._") for ch in host):
-        if strict:
-            raise ValueError(f"{name!r} is not a host name (letters, digits, '-', '.'; no port, scheme or wildcard)")
-        return ""
-    return host
-
-
-def normalize_origin(origin: str) -> str:
-    """'https://ui.example:8443' as browsers send it in Origin (no path, the
-    default port left out), or '*', or 'localhost' (llama-server's keyword:
-    every origin on a loopback host, any port); anything else is refused."""
-    from yarl import URL
-
-    origin = origin.strip()
-    if origin in ("*", "localhost"):
-        return origin
-    try:
-        url = URL(origin)
-    except (ValueError, TypeError):
-        url = None
-    if url is None or url.scheme not in ("http", "https") or not url.host or url.path not in ("", "/") \
-            or url.query_string or url.fragment or url.user:
-        raise ValueError(f"{origin[:100]!r} is not an origin (scheme://host[:port], e.g. https://ui.example:8443, or *)")
-    host = normalize_host(url.host, strict=True)
-    shown = f"[{host}]" if ":" in host else host
-    return f"{url.scheme}://{shown}" + ("" if url.is_default_port() else f":{url.port}")
-
-
-def is_loopback_host(host: str) -> bool:
-    """An address literal in 127.0.0.0/8 or ::1 (also ::ffff:127.x), or "localhost": nothing
-    beyond this machine can reach it. A host name is not resolved (it may resolve elsewhere tomorrow)."""
-    host = host.strip().strip("[]").rstrip(".").lower()
-    try:
-        address = ipaddress.ip_address(host.partition("%")[0])
-    except ValueError:
-        return host == "localhost"
-    mapped = getattr(address, "ipv4_mapped", None)  # ::ffff:127.0.0.1
-    return address.is_loopback or (mapped is not None and mapped.is_loopback)
-
-
-def admin_key_problem(host: str, port: int, settings: "Settings") -> str | None:
-    """Why the daemon may not serve on host:port with these settings (no admin_key off loopback), or None."""
-    if is_loopback_host(host) or (settings.admin_key is not None and settings.admin_key.get_secret_value()):
-        return None
-    return (f"admin_key is required when host is {host!r}, not a loopback address: without it anyone who can reach "
-            f"port {port} can put the models to sleep, wake and load them. Set admin_key (DORMOUSE_ADMIN_KEY, or "
-            f"--admin-key), or bind 127.0.0.1")
-
-
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="forbid", validate_default=True)
 
     # -- network --
-    host: str = Field("127.0.0.1", description="address to bind; any but a loopback address (127.0.0.0/8, ::1, localhost) requires admin_key, and so does a socket that systemd passes")
+    host: str = Field("127.0.0.1", max_length=1024, description="address to bind, or several separated by commas "
+                      "(127.0.0.1,::1); any but a loopback address (127.0.0.0/8, ::1, localhost) requires admin_key, "
+                      "and so does a socket that systemd passes")
     port: int = Field(8080, ge=0, le=65535, description="TCP port to serve on (with --host)")
 
     # -- model --
@@ -340,6 +280,18 @@ class Settings(BaseSettings):
             raise ValueError(f"default_model {self.default_model!r} is not one of the [models.ID] tables "
                              f"({', '.join(self.models) or 'there are none'})")
         return self
+
+    @field_validator("host")
+    @classmethod
+    def _hosts(cls, value: str) -> str:
+        hosts = host_list(value)
+        if len(hosts) > MAX_HOSTS or (len(hosts) > 1 and "" in hosts):
+            raise ValueError(f"give one address, or up to {MAX_HOSTS} separated by commas")
+        return ",".join(hosts)
+
+    @property
+    def hosts(self) -> list[str]:
+        return host_list(self.host)
 
     @model_validator(mode="after")
     def _admin_key_off_loopback(self) -> "Settings":

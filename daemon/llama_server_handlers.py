@@ -83,7 +83,7 @@ def cache_ram_bytes(value: int) -> int:
 
 
 def bind_host(text: str, spelling: str, out: Translation) -> None:
-    if text.endswith(".sock"):
+    if any(host.strip().endswith(".sock") for host in text.split(",")):
         raise LlamaServerArgsError(f"{spelling} {text[:80]}: a unix socket is not supported; use systemd socket "
                                    "activation (systemd/) or an address")
     out.settings["host"] = text

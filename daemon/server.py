@@ -172,14 +172,17 @@ async def serve(settings: Settings, plans: list[ModelPlan], reload_settings: Cal
         log.error("http.admin_key_required", error=refused, socket_activated=True)
         await runner.cleanup()
         return 2
-    site: web.BaseSite = web.SockSite(runner, sock) if sock else web.TCPSite(runner, settings.host, settings.port)
+    # One site per address of `host` (llama-server's --host 127.0.0.1,::1 serves both).
+    sites: list[web.BaseSite] = [web.SockSite(runner, sock)] if sock else [
+        web.TCPSite(runner, host, settings.port) for host in settings.hosts]
     try:
-        await site.start()
+        for site in sites:
+            await site.start()
     except OSError as exc:
         log.error("http.bind_failed", host=settings.host, port=settings.port, error=exc.strerror)
         await runner.cleanup()
         return 1
-    bound = [s.getsockname() for s in (runner.server and site._server.sockets or [])]  # type: ignore[union-attr]
+    bound = [s.getsockname() for site in sites for s in (site._server.sockets or [])]  # type: ignore[union-attr]
     refused = _open_off_loopback(bound, settings)  # a name that resolved off loopback
     if refused:
         log.error("http.admin_key_required", error=refused, socket_activated=sock is not None)
@@ -196,7 +199,7 @@ async def serve(settings: Settings, plans: list[ModelPlan], reload_settings: Cal
     agent = None
     if settings.agent_port:
         try:
-            agent = await start_agent(settings.host, settings.agent_port, lambda: snapshot_of(fleet.controllers), log)
+            agent = await start_agent(settings.hosts, settings.agent_port, lambda: snapshot_of(fleet.controllers), log)
         except OSError as exc:
             log.error("agent.bind_failed", port=settings.agent_port, error=exc.strerror)
             await runner.cleanup()

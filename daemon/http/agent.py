@@ -277,7 +277,7 @@ class Agent:
             self.server.close()
 
 
-async def start_agent(host: str, port: int, snapshot: Callable[[], ReplicaSnapshot], log) -> Agent:
+async def start_agent(host: str | list[str], port: int, snapshot: Callable[[], ReplicaSnapshot], log) -> Agent:
     """Answer every connection with one line, then close (HAProxy's agent protocol)."""
     agent = Agent(snapshot, log)
     agent.server = await asyncio.start_server(agent.answer, host, port)

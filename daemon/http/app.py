@@ -373,7 +373,8 @@ def build_app(fleet: Fleet, settings: Settings, metrics: MetricFamilies, log) ->
     app[METRICS] = metrics
     app[LOG] = log
     listening = Listening()
-    listening.bind(settings.host)  # the server corrects it from the sockets it serves (daemon/server.py)
+    for host in settings.hosts:  # the server corrects them from the sockets it serves (daemon/server.py)
+        listening.bind(host)
     app[LISTENING] = listening
     for routes in (openai, llama_server, responses, anthropic, ollama, infill, rerank, admin, slot_files):
         routes.add_routes(app)

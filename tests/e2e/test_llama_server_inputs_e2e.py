@@ -239,3 +239,28 @@ def test_a_router_command_line_serves_a_models_dir_and_presets_within_models_max
         assert statuses == {"gemma-a": "sleeping", "gemma-b": "loaded", "gemma-c": "sleeping"}  # models_max 1
     finally:
         d.stop()
+
+
+def test_several_host_addresses_are_each_served(tmp_path):
+    """llama-server's test_server_multiple_addresses: `--host 127.0.0.1,::1` serves both; the command
+    line's --host wins over LLAMA_ARG_HOST (here an address that cannot be bound)."""
+    import socket
+
+    import httpx
+
+    from tests.conftest import DaemonProcess
+
+    try:
+        with socket.socket(socket.AF_INET6, socket.SOCK_STREAM) as probe:
+            probe.bind(("::1", 0))
+    except OSError:
+        pytest.skip("IPv6 loopback is unavailable")
+    d = DaemonProcess("--host", "127.0.0.1,::1", "-c", "512", "-np", "1", "--threads", "2",
+                      env={"LLAMA_ARG_HOST": "192.0.2.1"}, log_path=tmp_path / "daemon.log")
+    try:
+        d.wait_state("ready", "sleeping", timeout=120)
+        for base in (f"http://127.0.0.1:{d.port}", f"http://[::1]:{d.port}"):
+            r = httpx.post(f"{base}/v1/completions", json={"prompt": "Once upon a time", "max_tokens": 2}, timeout=60)
+            assert r.status_code == 200, (base, r.text)
+    finally:
+        d.stop()

@@ -98,3 +98,16 @@ def test_check_config_says_the_same():
     accepted = daemon("check-config", "--host", "0.0.0.0", env={"DORMOUSE_ADMIN_KEY": "s3cret"})
     assert accepted.returncode == 0, accepted.stderr
     assert '"admin_key": "********"' in accepted.stdout  # and it is never printed
+
+
+def test_several_addresses_are_loopback_only_when_each_one_is():
+    """llama-server's --host 127.0.0.1,::1: every address is served; off loopback, any one of them, needs the key."""
+    settings = load_settings(cli={"host": " 127.0.0.1, ::1 ,127.0.0.1"})
+    assert settings.hosts == ["127.0.0.1", "::1"] and settings.host == "127.0.0.1,::1"
+    with pytest.raises(ConfigError, match="admin_key is required when host is '0.0.0.0'"):
+        load_settings(cli={"host": "127.0.0.1,0.0.0.0"})
+    assert load_settings(cli={"host": "127.0.0.1,0.0.0.0", "admin_key": "k"}).hosts == ["127.0.0.1", "0.0.0.0"]
+    assert load_settings(cli={"host": ",127.0.0.1, ,"}).hosts == ["127.0.0.1"]  # empty parts are no address
+    for hostile in (",".join(f"127.0.0.{i}" for i in range(1, 18)), "x" * 2000):
+        with pytest.raises(ConfigError):
+            load_settings(cli={"host": hostile})
