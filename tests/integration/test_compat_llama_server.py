@@ -467,9 +467,13 @@ async def test_overflow_on_completion_is_llama_servers_error():
         listed = (await (await client.post("/completion", json={"prompt": "FAIL"})).json())["error"]
         assert listed["type"] == "exceed_context_size_error" and listed["n_prompt_tokens"] == 65
         assert listed["n_ctx"] == 64
-        # The OpenAI routes keep OpenAI's shape.
-        openai = await error_of(await client.post("/v1/completions", json={"prompt": "OVERFLOW"}), 400)
-        assert openai["code"] == "context_length_exceeded" and openai["type"] == "invalid_request_error"
+        # The OpenAI routes keep OpenAI's fields (code, param), with llama-server's type and counts beside them
+        # (its test_context_size_exceeded, on /chat/completions).
+        for path, body in (("/v1/completions", {"prompt": "OVERFLOW"}),
+                           ("/v1/chat/completions", {"messages": [{"role": "user", "content": "OVERFLOW"}]})):
+            openai = await error_of(await client.post(path, json=body), 400)
+            assert openai["code"] == "context_length_exceeded" and openai["type"] == "exceed_context_size_error"
+            assert (openai["n_prompt_tokens"], openai["n_ctx"]) == (9000, 1024), openai
         # And the daemon serves on.
         assert (await client.post("/completion", json={"prompt": "hi", "n_predict": 1})).status == 200
 

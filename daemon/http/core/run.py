@@ -5,6 +5,8 @@ is something to send; a query's one Answer (run_query). Knows no dialect."""
 
 from __future__ import annotations
 
+import re
+
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -24,13 +26,31 @@ from daemon.model.jobs import Job, JobFailure
 CLIENT_ERRORS = ("context_length_exceeded", "invalid_request", "invalid_grammar", "embeddings_not_enabled")
 
 
+# The worker's overflow messages (slot_assignment.py, prompt_text.py): "prompt has N tokens; ..." or, when it
+# stopped counting early (a text far longer than the context), "has more than N tokens".
+_OVERFLOW = re.compile(r"has (more than )?(\d+) tokens; the context of a slot holds (\d+)")
+
+
+def overflow_counts(message: str | None) -> tuple[int, int, bool] | None:
+    """(prompt tokens, slot context, whether the count is only a lower bound) from a worker's overflow message."""
+    found = _OVERFLOW.search(message or "")
+    if not found:
+        return None
+    counted = int(found.group(2))
+    return (counted + 1 if found.group(1) else counted), int(found.group(3)), bool(found.group(1))
+
+
 def failure_error(item: JobFailure | p.Done) -> ApiError:
     if isinstance(item, JobFailure):
         return ApiError(item.status, item.message, item.code, retry_after=item.retry_after)
     if item.finish_reason == "cancelled":
         return ApiError(503, "request cancelled: the server is shutting down", "cancelled", retry_after=1)
     status = 400 if item.error_code in CLIENT_ERRORS else 500
-    return ApiError(status, item.error or "generation failed", item.error_code)
+    error = ApiError(status, item.error or "generation failed", item.error_code)
+    counts = overflow_counts(item.error) if item.error_code == "context_length_exceeded" else None
+    if counts is not None:
+        error.details = {"n_prompt_tokens": counts[0], "n_ctx": counts[1]}
+    return error
 
 
 def is_failure(item) -> bool:

@@ -17,7 +17,7 @@ from daemon.fleet.owner import FleetModel
 from daemon.http.errors import ApiError
 from daemon.http.core.events import (ChoiceReader, End, Event, Failure, TextDelta, Whole, piece_text, read_events,
                                      timings, whole_answer)
-from daemon.http.core.run import failure_error, first_item, is_failure, open_event_stream, tracked
+from daemon.http.core.run import failure_error, first_item, is_failure, open_event_stream, overflow_counts, tracked
 from daemon.http.core.schemas import SamplingFields
 from daemon.http.dialects.llama_server.schemas import NativeCompletionRequest
 from daemon.model.jobs import Job
@@ -69,21 +69,15 @@ class ContextExceeded(ApiError):
                           "n_prompt_tokens": self.n_prompt_tokens, "n_ctx": self.n_ctx}}
 
 
-# The worker's overflow messages (slot_assignment.py, prompt_text.py): "prompt has N tokens; ..." or, when it
-# stopped counting early (a text far longer than the context), "has more than N tokens".
-_OVERFLOW = re.compile(r"has (more than )?(\d+) tokens; the context of a slot holds (\d+)")
-
-
 def _native_error(item, body: NativeCompletionRequest, model: FleetModel) -> ApiError:
     error = failure_error(item)
     if error.code != "context_length_exceeded":
         return error
     c = model.controller
     n_ctx = c.n_ctx_slot or c.settings.ctx_size // c.settings.parallel
-    found = _OVERFLOW.search(getattr(item, "error", None) or "")
-    if found:
-        counted = int(found.group(2))
-        return ContextExceeded(counted + 1 if found.group(1) else counted, int(found.group(3)), bool(found.group(1)))
+    counts = overflow_counts(getattr(item, "error", None))
+    if counts is not None:
+        return ContextExceeded(*counts)
     if isinstance(body.prompt, list):
         return ContextExceeded(len(body.prompt), n_ctx, False)
     return ContextExceeded(n_ctx + 1, n_ctx, True)  # the worker said it overflows, not by how much
