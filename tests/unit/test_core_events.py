@@ -226,7 +226,7 @@ def test_openai_chat_streams_thinking_text_the_call_its_end_usage_and_done():
     chunks = sse_data(drive(collecting(ChunkWriter, shape, 1, True, FORCED), EVENTS, begin=True))
     assert chunks[-1] == b"[DONE]"
     deltas = [c["choices"][0]["delta"] for c in chunks[:-2]]
-    assert deltas[0] == {"role": "assistant", "content": ""}
+    assert deltas[0] == {"role": "assistant", "content": None}  # llama-server's first chunk: no empty content
     assert deltas[1] == {"reasoning_content": "plan"}
     assert deltas[2] == {"content": "Hello"} and chunks[2]["choices"][0]["logprobs"]["content"][0]["token"] == "Hello"
     assert [d["tool_calls"] for d in deltas[3:5]] == [[CALL_START], [CALL_ARGS]]  # the streamed call, not again

@@ -101,7 +101,7 @@ SWITCHES: dict[str, tuple[dict | None, dict | None]] = {
     "-v": ({"log_level": "debug", "verbose_answers": True}, None),
     "--log-jsonl": ({"log_format": "json"}, {"log_format": "console"}),
     "--jinja": ({}, None),
-    "--metrics": ({}, None),
+    "--metrics": ({"metrics_compat": ["llamacpp"]}, None),
     "--models-autoload": ({"models_autoload": True}, {"models_autoload": False}),
     "--slots": ({"slots_endpoint": True}, {"slots_endpoint": False}),
     "--ui": ({"status_page": True}, {"status_page": False}),

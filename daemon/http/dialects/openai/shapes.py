@@ -160,7 +160,7 @@ class ChatShape(_Shape):
 
     def chunk(self, text: str | None, logprobs: list[p.TokenLogprob] = (), reason: str | None = None,
               tool_calls: list[dict] | None = None, index: int = 0, reasoning: str | None = None) -> dict:
-        delta: dict[str, Any] = {} if text is None else {"content": text}
+        delta: dict[str, Any] = {"content": text} if text else {}  # never empty content (a token with no text yet)
         if reasoning is not None:
             delta["reasoning_content"] = reasoning
         if tool_calls is not None:
@@ -171,7 +171,9 @@ class ChatShape(_Shape):
         return self.envelope("chat.completion.chunk", [choice], self.chunk_usage)
 
     def first_chunk(self, index: int = 0) -> dict | None:
-        return self.envelope("chat.completion.chunk", [{"index": index, "delta": {"role": "assistant", "content": ""},
+        # The role alone, content null (llama-server's first chunk; OpenAI's clients read null or ""): no delta
+        # ever carries empty content, which llama-server's own stream checks refuse.
+        return self.envelope("chat.completion.chunk", [{"index": index, "delta": {"role": "assistant", "content": None},
                                                          "logprobs": None, "finish_reason": None}], self.chunk_usage)
 
     def last_chunk(self, reason: str, done: p.Done | None, index: int = 0) -> dict:
