@@ -537,7 +537,6 @@ HOSTILE = [
     (_with(max_tokens=16.5), "max_tokens"),
     (_with(max_tokens=True), "max_tokens"),
     (_with(max_tokens=None), "max_tokens"),
-    ({"max_tokens": 3, "messages": ASK}, "model"),
     (_with(model=5), "model"),
     (_with(model=""), "model"),
     (_with(messages=[]), "messages"),
@@ -740,3 +739,14 @@ async def test_a_message_beside_a_sleep():
         assert (await client.post("/sleep")).status == 200
         r = await client.post("/v1/messages/count_tokens", json={"model": "fake", "messages": ASK})
         assert r.status == 200 and (await r.json())["input_tokens"] == 1
+
+
+async def test_a_request_that_names_no_model_gets_the_default_one():
+    """Anthropic's API requires `model`; llama-server and Dormouse's other dialects serve the default model
+    (llama-server's test_server_sleep_token_counting_wake counts tokens with no model named)."""
+    async with daemon() as (_, client):
+        counted = await client.post("/v1/messages/count_tokens", json={"messages": ASK})
+        assert counted.status == 200 and (await counted.json())["input_tokens"] > 0
+        answered = await client.post("/v1/messages", json={"max_tokens": 3, "messages": ASK})
+        assert answered.status == 200 and (await answered.json())["model"] == "fake"
+

@@ -309,7 +309,8 @@ SYSTEM_BLOCK_SEPARATOR = "\n"
 class CountTokensRequest(RequestModel):
     """What /v1/messages/count_tokens reads; /v1/messages adds generation's fields."""
 
-    model: Annotated[str, Field(min_length=1, max_length=256)]
+    # Anthropic's API requires it; here, as llama-server and the other dialects read it, none is the default model.
+    model: Annotated[str, Field(min_length=1, max_length=256)] | None = None
     messages: Annotated[list[MessageIn], Field(min_length=1, max_length=MAX_MESSAGES)]
     system: _text_or(Annotated[list[SystemBlock], Field(max_length=MAX_CONTENT_PARTS)], "text blocks") | None = None
     tools: Annotated[list[Tool], Field(max_length=MAX_TOOLS)] | None = None
