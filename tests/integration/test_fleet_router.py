@@ -27,6 +27,7 @@ async def test_models_max_puts_the_other_model_to_sleep_though_the_memory_would_
     async with fake_fleet(TWO, memory_budget=100 * GiB, models_max=1) as (fleet, client):
         props = await (await client.get("/props")).json()
         assert props["role"] == "router" and props["max_instances"] == 1 and props["models_autoload"] is True
+        assert props["build_info"].startswith("b0.")  # llama-server's "b<build>": the bindings' version first
         for model_id, other in (("a", "b"), ("b", "a"), ("a", "b")):
             response = await complete(client, model_id)
             assert response.status == 200, await response.text()
@@ -72,3 +73,13 @@ async def test_without_autoload_a_model_is_served_only_once_loaded():
         assert (await client.post("/models/unload", json={"model": "a"})).status == 200
         assert (await complete(client, "a")).status == 400
         assert (await (await client.get("/props")).json())["models_autoload"] is False
+
+
+async def test_one_model_with_router_options_says_router_and_without_them_model():
+    """llama-server's test_router_props: `--models-max 2 --no-models-autoload` is a router, even of one model."""
+    async with fake_fleet(models_max=2, models_autoload=False) as (_, client):
+        props = await (await client.get("/props")).json()
+        assert (props["role"], props["max_instances"], props["models_autoload"]) == ("router", 2, False)
+    async with fake_fleet() as (_, client):
+        assert (await (await client.get("/props")).json())["role"] == "model"
+

@@ -6,6 +6,8 @@ hands on each model's state machine; each takes an optional model (query
 
 from __future__ import annotations
 
+import functools
+
 import time
 
 import msgspec
@@ -101,11 +103,31 @@ async def props(request: web.Request) -> web.Response:
                      "tiers": c.metrics.prompt_cache if c.slots and not _hides_cache_counts(request) else {}},
         "fleet": {"budget_bytes": fleet.budget, "planned_bytes": fleet.planned_bytes(), "admission": fleet.admitting,
                   "models": [fleet.describe(m) for m in fleet.models.values()]},
-        # llama-server's router: role, max_instances (models_max; 0: the memory budget alone), models_autoload.
-        "role": "router" if len(fleet.models) > 1 else "model",
+        # llama-server's router: role, max_instances (models_max; 0: the memory budget alone), models_autoload;
+        # build_info as its "b<build>": the llama.cpp bindings' version and Dormouse's.
+        "role": "router" if _routes(fleet, request.app[SETTINGS]) else "model",
         "max_instances": fleet.max_models,
         "models_autoload": request.app[SETTINGS].models_autoload,
+        "build_info": _build_info(),
     })
+
+
+def _routes(fleet, settings) -> bool:
+    """Configured as a router: several models, or any of the router's options (a fleet of one may grow by them)."""
+    return len(fleet.models) > 1 or settings.models_dir is not None or settings.models_max > 0 \
+        or not settings.models_autoload
+
+
+@functools.cache
+def _build_info() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    def of(name: str) -> str:
+        try:
+            return version(name)
+        except PackageNotFoundError:
+            return "unknown"
+    return f"b{of('llama_cpp_python')}-dormouse-{of('dormouse')}"
 
 
 def _saved(saved: dict, hide: bool) -> dict:
