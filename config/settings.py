@@ -285,8 +285,8 @@ class Settings(BaseSettings):
     @classmethod
     def _hosts(cls, value: str) -> str:
         hosts = host_list(value)
-        if len(hosts) > MAX_HOSTS or (len(hosts) > 1 and "" in hosts):
-            raise ValueError(f"give one address, or up to {MAX_HOSTS} separated by commas")
+        if len(hosts) > MAX_HOSTS or (hosts == [""] and value != ""):
+            raise ValueError(f"give one address, or up to {MAX_HOSTS} separated by commas (\"\": every interface)")
         return ",".join(hosts)
 
     @property

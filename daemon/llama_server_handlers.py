@@ -94,9 +94,20 @@ def model_aliases(text: str, spelling: str, out: Translation) -> None:
     names = comma_list(text)
     if not names:
         raise LlamaServerArgsError(f"{spelling}: expects one or more names separated by commas")
-    # The first name becomes the model's id (what /v1/models lists), the others its aliases.
-    out.settings["models"] = {names[0]: {"aliases": names[1:]}}
+    # The first name becomes the model's id (what /v1/models lists), the others its aliases; beside a preset's
+    # models (--models-preset, before or after it), not over them.
+    models = dict(out.settings.get("models", {}))
+    models[names[0]] = {**models.get(names[0], {}), "aliases": names[1:]}
+    out.settings["models"] = models
     out.origins["models"] = spelling
+
+
+def llamacpp_metrics(value: object, spelling: str, out: Translation) -> None:
+    """--metrics: llama-server's `llamacpp:` names on /metrics (which Dormouse always serves)."""
+    out.settings["metrics_compat"] = ["llamacpp"]
+    out.origins["metrics_compat"] = spelling
+    out.notes.append(f"{spelling}: metrics_compat = llamacpp, over a metrics_compat of the config file or the "
+                     "environment: to keep others, drop it and list every family in metrics_compat (e.g. llamacpp,vllm)")
 
 
 def _add_keys(keys: list[str], spelling: str, out: Translation) -> None:

@@ -338,9 +338,9 @@ OPTIONS: tuple[Option, ...] = (
         negative="--no-cache-prompt"),
     opt("--cache-reuse", "LLAMA_ARG_CACHE_REUSE", "int",
         accepted("Dormouse reuses shared prefixes by its own rule (cache_deterministic)")),
-    opt("--metrics", "LLAMA_ARG_ENDPOINT_METRICS", "flag", const(
-        {"metrics_compat": ["llamacpp"]}, "mapped to `metrics_compat` = llamacpp: /metrics carries llama-server's "
-                                          "`llamacpp:` names beside Dormouse's own (it is always served)")),
+    opt("--metrics", "LLAMA_ARG_ENDPOINT_METRICS", "flag", custom(
+        "mapped", "mapped to `metrics_compat` = llamacpp: /metrics carries llama-server's `llamacpp:` names beside "
+                  "Dormouse's own (it is always served)", handlers.llamacpp_metrics)),
     opt("--props", "LLAMA_ARG_ENDPOINT_PROPS", "flag", refused("POST /props cannot change Dormouse's settings")),
     opt("--slots", "LLAMA_ARG_ENDPOINT_SLOTS", "switch", setting("slots_endpoint"), negative="--no-slots"),
     opt("--slot-save-path", None, "string", setting("slot_save_path")),

@@ -25,6 +25,7 @@ from config.models import PER_MODEL_KEYS
 from daemon.llama_server_handling import LlamaServerArgsError, Translation, parse_bool
 
 MAX_PRESET_BYTES = 1 << 20
+MAX_SECTIONS = 66  # 64 models (the fleet's bound), [*] and the keys before the first section
 TOP = "__top__"  # the keys before the first section (configparser needs a section for them)
 # The preset's own keys (not options). load-on-startup: Dormouse loads the default model and pinned ones.
 PRESET_ONLY = {"load-on-startup", "stop-timeout", "dedup-cache-models"}
@@ -51,19 +52,27 @@ def _parser(path: Path, spelling: str) -> configparser.ConfigParser:
 
 def _command_line(keys: dict[str, str], where: str) -> tuple[list[str], dict[str, str]]:
     """A section's keys as llama-server's argv and variables."""
-    from daemon.llama_server_options import by_spelling
+    from daemon.llama_server_options import by_env, by_spelling
 
     spellings = by_spelling()
     argv: list[str] = []
     environ: dict[str, str] = {}
+    variables = by_env()
     for key, value in keys.items():
         if key.startswith("LLAMA_ARG_"):
+            if key not in variables:
+                raise LlamaServerArgsError(f"{where}: {key} is not a variable of llama-server")
+            option, _ = variables[key]
             environ[key] = value
+        else:
+            spelling = next((s for s in (f"--{key}", f"-{key}") if s in spellings), None)
+            if spelling is None:
+                raise LlamaServerArgsError(f"{where}: {key} is not an option of llama-server")
+            option, _ = spellings[spelling]
+        if "--models-preset" in option.spellings:
+            raise LlamaServerArgsError(f"{where}: {key}: a preset cannot name another preset")
+        if key.startswith("LLAMA_ARG_"):
             continue
-        spelling = next((s for s in (f"--{key}", f"-{key}") if s in spellings), None)
-        if spelling is None:
-            raise LlamaServerArgsError(f"{where}: {key} is not an option of llama-server")
-        option, _ = spellings[spelling]
         if option.takes in ("flag", "switch"):
             try:
                 on = parse_bool(value)
@@ -101,21 +110,21 @@ def _split_common(common: dict[str, str], where: str) -> tuple[dict[str, str], T
     from daemon.llama_server_args import translate
 
     per_model: dict[str, str] = {}
-    daemon_wide = Translation()
-    for key, value in common.items():
+    daemon: dict[str, str] = {}
+    for key, value in common.items():  # each alone, only to learn whether it names a model
         if key in PRESET_ONLY:
             per_model[key] = value
             continue
         try:
-            translation = translate(*_command_line({key: value}, where), own_flags={})
+            alone = translate(*_command_line({key: value}, where), own_flags={})
         except LlamaServerArgsError as exc:
             raise LlamaServerArgsError(f"{where}: {exc}") from None
-        if set(translation.settings) & MODEL_NAMING:
-            per_model[key] = value
-            continue
-        daemon_wide.settings.update(translation.settings)
-        daemon_wide.llama_options.update(translation.llama_options)
-        daemon_wide.notes.extend(f"{where}: {note}" for note in translation.notes)
+        (per_model if set(alone.settings) & MODEL_NAMING else daemon)[key] = value
+    try:  # together, as one command line: options that read each other (mlock and mmap, -c 0 and -m) agree
+        daemon_wide = translate(*_command_line(daemon, where), own_flags={})
+    except LlamaServerArgsError as exc:
+        raise LlamaServerArgsError(f"{where}: {exc}") from None
+    daemon_wide.notes = [f"{where}: {note}" for note in daemon_wide.notes]
     return per_model, daemon_wide
 
 
@@ -130,6 +139,12 @@ def models_from_preset(path_text: str, spelling: str,
     common, daemon_wide = _split_common(dict(parser["*"]) if parser.has_section("*") else {},
                                         f"{spelling} {path} [*]")
     tables: dict[str, dict[str, Any]] = {}
+    if len(parser.sections()) > MAX_SECTIONS:
+        raise LlamaServerArgsError(f"{spelling}: {path} has more than {MAX_SECTIONS} sections (the fleet's bound)")
+    for key in parser[TOP]:
+        if key != "version":
+            notes.append(f"{spelling} {path}: {key} before the first section: ignored (llama-server reads `version` "
+                         "there, nothing else)")
     for section in parser.sections():
         if section in (TOP, "*"):
             continue
@@ -137,7 +152,11 @@ def models_from_preset(path_text: str, spelling: str,
         keys = {**common, **parser[section]}
         for key in PRESET_ONLY & keys.keys():
             value = keys.pop(key)
-            if key == "load-on-startup" and parse_bool(value):
+            try:
+                on = parse_bool(value) if key == "load-on-startup" else False
+            except ValueError as exc:
+                raise LlamaServerArgsError(f"{where}: {key}: {exc}") from None
+            if on:
                 raise LlamaServerArgsError(f"{where}: load-on-startup: Dormouse loads the default model "
                                            "(default_model) and pinned ones at start: pin it in the config file")
             notes.append(f"{where}: {key} accepted; it changes nothing in Dormouse")

@@ -189,7 +189,7 @@ async def serve(settings: Settings, plans: list[ModelPlan], reload_settings: Cal
         await runner.cleanup()
         return 2
     await _note_listening(app, bound)
-    if sock is not None and f"{settings.host}:{settings.port}" not in {f"{a[0]}:{a[1]}" for a in bound}:
+    if sock is not None and not {f"{h}:{settings.port}" for h in settings.hosts} & {f"{a[0]}:{a[1]}" for a in bound}:
         # systemd bound the socket (dormouse.socket's ListenStream); host and port were not used
         log.warning("http.address_setting_unused", configured=f"{settings.host}:{settings.port}",
                     serving=[f"{a[0]}:{a[1]}" for a in bound],
@@ -199,7 +199,7 @@ async def serve(settings: Settings, plans: list[ModelPlan], reload_settings: Cal
     agent = None
     if settings.agent_port:
         try:
-            agent = await start_agent(settings.hosts, settings.agent_port, lambda: snapshot_of(fleet.controllers), log)
+            agent = await start_agent(settings.hosts if settings.host else "", settings.agent_port, lambda: snapshot_of(fleet.controllers), log)
         except OSError as exc:
             log.error("agent.bind_failed", port=settings.agent_port, error=exc.strerror)
             await runner.cleanup()

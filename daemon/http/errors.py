@@ -28,10 +28,6 @@ _ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 4
                     413: "request_too_large", 415: "invalid_request_error", 429: "rate_limit_error",
                     501: "api_error", 503: "overloaded_error"}
 
-# llama-server's type for a prompt its slot cannot hold, on its OpenAI routes too, with the two counts
-# (`details`): llama.cpp's clients read them to trim the prompt; OpenAI's read `code`, which stays OpenAI's.
-_TYPES_BY_CODE = {"context_length_exceeded": "exceed_context_size_error"}
-
 
 def dialect_of(path: str) -> Dialect:
     """Whose error shape a path answers in."""
@@ -51,7 +47,9 @@ class ApiError(Exception):
         self.code = code
         self.param = param
         self.retry_after = retry_after
-        self.details: dict[str, int | str] = {}  # more fields of the OpenAI error object (n_prompt_tokens, n_ctx)
+        # More fields of the OpenAI error object, over the ones above: llama-server's type and counts of a prompt
+        # its slot cannot hold (daemon/http/core/run.py failure_error).
+        self.details: dict[str, int | str] = {}
 
     def body(self, dialect: Dialect = "openai") -> dict:
         if dialect == "anthropic":
@@ -59,9 +57,8 @@ class ApiError(Exception):
                                                "message": self.message}}
         if dialect == "ollama":
             return {"error": self.message}
-        kind = _TYPES_BY_CODE.get(self.code or "") or _TYPES.get(self.status, "server_error")
-        return {"error": {"message": self.message, "type": kind, "code": self.code, "param": self.param,
-                          **self.details}}
+        return {"error": {"message": self.message, "type": _TYPES.get(self.status, "server_error"), "code": self.code,
+                          "param": self.param, **self.details}}
 
     def response(self, dialect: Dialect = "openai") -> web.Response:
         headers = {}

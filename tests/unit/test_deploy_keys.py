@@ -108,6 +108,6 @@ def test_several_addresses_are_loopback_only_when_each_one_is():
         load_settings(cli={"host": "127.0.0.1,0.0.0.0"})
     assert load_settings(cli={"host": "127.0.0.1,0.0.0.0", "admin_key": "k"}).hosts == ["127.0.0.1", "0.0.0.0"]
     assert load_settings(cli={"host": ",127.0.0.1, ,"}).hosts == ["127.0.0.1"]  # empty parts are no address
-    for hostile in (",".join(f"127.0.0.{i}" for i in range(1, 18)), "x" * 2000):
+    for hostile in (",".join(f"127.0.0.{i}" for i in range(1, 18)), "x" * 2000, ",", " "):  # "": every interface
         with pytest.raises(ConfigError):
             load_settings(cli={"host": hostile})

@@ -78,6 +78,10 @@ def test_the_common_section_is_the_routers_command_line_under_the_real_one(tmp_p
     ("[a]\nmodel = /m/a.gguf\nlora = /x.gguf\n", "[a]: --lora is not supported"),
     ("[a]\nmodel = /m/a.gguf\nc = -5x\n", "[a]"),
     ("version = 1\n", "has no model section"),
+    ("[a]\nmodel = /m/a.gguf\nmodels-preset = presets.ini\n", "[a]: models-preset: a preset cannot name another"),
+    ("[*]\nLLAMA_ARG_MODELS_PRESET = presets.ini\n[a]\nmodel = /m/a.gguf\n", "a preset cannot name another"),
+    ("[a]\nmodel = /m/a.gguf\nload-on-startup = maybe\n", "[a]: load-on-startup: expects on/off"),
+    ("[a]\nmodel = /m/a.gguf\nLLAMA_ARG_NO_SUCH = 1\n", "[a]: LLAMA_ARG_NO_SUCH is not a variable"),
     ("[a]\nmodel = /m/a.gguf\n[a]\nmodel = /m/b.gguf\n", "is not an INI file"),
     ("not an ini line\n", "is not an INI file"),
 ])
@@ -100,3 +104,24 @@ def test_an_id_the_fleet_cannot_take_is_refused_by_the_settings(tmp_path):
     t = preset(tmp_path, "[ggml-org/gemma:Q8_0]\nmodel = /m/a.gguf\n")
     with pytest.raises(ValueError, match="model id"):
         Settings(**t.serve_settings())
+
+
+def test_the_common_sections_options_are_read_together_and_an_alias_keeps_the_presets_models(tmp_path):
+    text = "v = 2\n[*]\nmmap = false\nmlock = true\n\n[a]\nmodel = /m/a.gguf\n"
+    t = preset(tmp_path, text)
+    assert t.settings["load_mode"] == "mlock"  # as llama-server reads the pair, in either order
+    flipped = preset(tmp_path, text.replace("mmap = false\nmlock = true", "mlock = true\nmmap = false"))
+    assert flipped.settings["load_mode"] == "mlock"
+    assert any("v before the first section" in note for note in t.notes)
+    for argv in (["-a", "chat"], []):  # an alias before or after the preset: its models stay
+        path = str(tmp_path / "presets.ini")
+        both = translate([*argv, "--models-preset", path, *(["-a", "chat"] if not argv else [])], {}, {})
+        assert set(both.settings["models"]) == {"a", "chat"}
+
+
+def test_a_preset_that_refers_to_itself_is_one_error_not_a_recursion(tmp_path):
+    path = tmp_path / "self.ini"
+    path.write_text(f"[a]\nmodel = /m/a.gguf\n[*]\nmodels-preset = {path}\n")
+    with pytest.raises(LlamaServerArgsError, match="a preset cannot name another"):
+        translate(["--models-preset", str(path)], {}, {})
+

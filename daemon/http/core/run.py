@@ -48,8 +48,8 @@ def failure_error(item: JobFailure | p.Done) -> ApiError:
     status = 400 if item.error_code in CLIENT_ERRORS else 500
     error = ApiError(status, item.error or "generation failed", item.error_code)
     counts = overflow_counts(item.error) if item.error_code == "context_length_exceeded" else None
-    if counts is not None:
-        error.details = {"n_prompt_tokens": counts[0], "n_ctx": counts[1]}
+    if counts is not None:  # llama-server's type and counts (its clients trim the prompt by them); `code` stays
+        error.details = {"type": "exceed_context_size_error", "n_prompt_tokens": counts[0], "n_ctx": counts[1]}
     return error
 
 
