@@ -471,6 +471,7 @@ class Engine(PromptText, SlotAssignment):
         self._slots_changed = True
 
     def _done(self, job: Job, reason: str, completion_tokens: int, error: str | None, code: str | None) -> None:
+        self.report_slots()  # before the Done: whoever hears that the request ended finds its slot idle
         now = time.perf_counter()
         first = job.first_token_at or now
         self.emit(
