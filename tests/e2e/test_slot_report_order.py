@@ -14,15 +14,10 @@ pytestmark = pytest.mark.e2e
 
 @pytest.fixture(scope="module")
 def engine(bundled_model):
-    from daemon.worker.engine import Engine
-    from daemon.worker.runtime import Runtime
+    from tests.e2e.test_structured_warmup import engine_on, load
 
-    runtime = Runtime(p.ModelSpec(model=bundled_model, ctx_size=1024, parallel=2, threads=2,
-                                  prompt_cache_ram_bytes=0))
-    runtime.load()
-    messages: list = []
-    eng = Engine(runtime, messages.append)
-    eng.messages = messages
+    runtime = load(bundled_model)  # 1024 tokens, 2 slots, no RAM tier
+    eng = engine_on(runtime)
     yield eng
     eng.close()
     runtime.teardown()
