@@ -241,15 +241,15 @@ def plan_load(target: str, models: Mapping[str, ModelView], budget: int, max_mod
         return Refuse(f"model {target} needs {mib(want.bytes)}; of the memory budget of {mib(budget)}, "
                       f"{mib(room_beside_staying)} is left beside pinned models that never sleep: {named(staying)} "
                       f"(unpin one, let it sleep when idle, or put it to sleep with POST /models/unload)")
-    if max_models and sum(m.never_leaves for m in others) >= max_models:
+    if max_models and len(staying) >= max_models:
         return Refuse(f"models_max = {max_models}, and as many pinned models that never sleep hold memory: "
-                      f"{named(m for m in others if m.never_leaves)}", "too_many_models")
+                      f"{named(staying)}", "too_many_models")
     loading = [m.id for m in others if m.state in LOADING_STATES]
     if loading:
         return Wait(f"one load at a time: {loading[0]} is loading")
-    staying = [m for m in others if m.state not in LEAVING_STATES]
-    if max_models and len(staying) >= max_models:
-        return _room_by_count(staying, len(staying) + 1 - max_models, max_models)
+    present = [m for m in others if m.state not in LEAVING_STATES]  # the resident ones not on their way out
+    if max_models and len(present) >= max_models:
+        return _room_by_count(present, len(present) + 1 - max_models, max_models)
     free = budget - sum(m.holding for m in others)
     if want.bytes <= free:
         return StartNow()
@@ -257,7 +257,7 @@ def plan_load(target: str, models: Mapping[str, ModelView], budget: int, max_mod
     need = want.bytes - free - sum(m.holding for m in going)
     if need <= 0:
         return Wait(f"waiting for {', '.join(m.id for m in going)} to finish going to sleep")
-    shrunk = shrink_caches([m for m in others if m.state not in LEAVING_STATES], need)
+    shrunk = shrink_caches(present, need)
     if shrunk is not None:
         return ShrinkCaches(shrunk)
     idle = [m for m in others if m.evictable]
@@ -273,8 +273,7 @@ def plan_load(target: str, models: Mapping[str, ModelView], budget: int, max_mod
         return Drain(tuple(m.id for m in drained),
                      f"{short}; waiting for busy {named(drained)} to finish the requests in flight "
                      f"(new requests for {'it' if len(drained) == 1 else 'them'} wait until {target} is loaded)")
-    in_the_way = [m for m in others if m.state not in LEAVING_STATES]
-    return Wait(f"{short}; in the way: {described(in_the_way)} (a pinned model leaves only when it sleeps when idle)")
+    return Wait(f"{short}; in the way: {described(present)} (a pinned model leaves only when it sleeps when idle)")
 
 
 def _room_by_count(staying: Sequence[ModelView], over: int, max_models: int) -> Decision:

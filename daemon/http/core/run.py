@@ -6,7 +6,6 @@ is something to send; a query's one Answer (run_query). Knows no dialect."""
 from __future__ import annotations
 
 import re
-
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager

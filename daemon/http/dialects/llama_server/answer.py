@@ -6,7 +6,6 @@ and its context-overflow error, in llama-server's own shape."""
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Awaitable, Callable
 
 import msgspec

@@ -110,7 +110,7 @@ async def infill(request: web.Request) -> web.StreamResponse:
     params = body.sampling(n_predict if n_predict >= 0 else settings.ctx_size, grammar, logprobs, defaults=settings)
     params = msgspec.structs.replace(params, post_sampling_probs=post_sampling)
     job = model.controller.new_job("infill", params, infill=body.to_protocol(), cache_prompt=body.cache_prompt,
-                                         slot=body.id_slot)
+                                   slot=body.id_slot)
     pick = (lambda answer: pick_fields(answer, body.response_fields)) if body.response_fields else None
     return await native_answer(request, model, job, body, params, n_predict, post_sampling, pick)
 

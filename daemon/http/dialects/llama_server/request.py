@@ -114,7 +114,7 @@ async def completion(request: web.Request) -> web.StreamResponse:
         if is_mixed(body.prompt):  # token ids with texts between them: the texts tokenized in place
             body.prompt = await mixed_tokens(request, model, body.prompt)
         job = model.controller.new_job("completion", params, prompt=body.prompt, cache_prompt=body.cache_prompt,
-                                         slot=body.id_slot)
+                                       slot=body.id_slot)
         return await native_answer(request, model, job, body, params, n_predict, post_sampling)
     # One job after another: a request never holds more slots than a single prompt would.
     answers = []
@@ -122,7 +122,7 @@ async def completion(request: web.Request) -> web.StreamResponse:
         one = body.model_copy(update={"prompt": await mixed_tokens(request, model, prompt) if is_mixed(prompt)
                                       else prompt})
         job = model.controller.new_job("completion", params, prompt=one.prompt, cache_prompt=body.cache_prompt,
-                                         slot=body.id_slot)
+                                       slot=body.id_slot)
         try:
             answer = await native_whole(request, model, job, one, params, n_predict, post_sampling)
         except ApiError as exc:

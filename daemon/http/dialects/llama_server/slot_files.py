@@ -18,6 +18,7 @@ from daemon.http.keys import FLEET, model_for, model_param
 from daemon.http.core.job import parse_body
 from daemon.http.core.run import failure_error, first_item, tracked
 from daemon.http.core.schemas import RequestModel
+from daemon.http.dialects.llama_server.request import check_slot
 from daemon.model.jobs import JobFailure
 from daemon.protocol import Answer
 
@@ -53,9 +54,7 @@ async def slot_action(request: web.Request) -> web.Response:
     if settings.slot_save_path is None:
         raise ApiError(501, "This server does not support slots action. Start it with `--slot-save-path` "
                             "(slot_save_path)", "not_supported")
-    if id_slot >= settings.parallel:
-        raise ApiError(400, f"id_slot: this model has slots 0..{settings.parallel - 1}", "invalid_value",
-                       param="id_slot")
+    check_slot(id_slot, settings.parallel)
     start = time.perf_counter()
     job = model.controller.new_query("slots", f"slot_{action}", tokens=[id_slot], text=filename)
     async with tracked(request, model, job):
