@@ -104,3 +104,13 @@ def test_an_unreadable_directory_is_a_config_error_not_a_traceback(tmp_path, mon
     monkeypatch.setattr(Path, "iterdir", refuse)  # as for a lost+found the daemon's user may not read
     with pytest.raises(ConfigError, match="models_dir: cannot read .*Permission denied"):
         load_settings(None, {"models_dir": str(tmp_path)})
+
+
+@pytest.mark.parametrize("key, value", [("models_max", -1), ("models_max", 65), ("models_max", "two"),
+                                        ("models_max", 10**30), ("models_autoload", "maybe"),
+                                        ("slots_endpoint", [True]), ("status_page", "sometimes")])
+def test_the_router_settings_refuse_what_they_cannot_mean_by_name(key, value):
+    from config import ConfigError, load_settings
+
+    with pytest.raises(ConfigError, match=key):
+        load_settings(None, {key: value})
