@@ -176,6 +176,17 @@ def test_timings_are_the_figures_of_the_done():
     assert "draft_n" not in figures and "cache_tier" not in figures
 
 
+def test_timings_rates_skip_the_first_token_and_agree_with_the_reported_milliseconds():
+    # The first token costs no decode step of its own: 5 tokens in 1 s are 4 steps of 250 ms.
+    assert timings(DONE)["predicted_per_token_ms"] == 250.0
+    one = timings(p.Done("r", "length", prompt_tokens=3, completion_tokens=1, generation_seconds=0.0004))
+    assert (one["predicted_per_token_ms"], one["predicted_per_second"]) == (0.0, 0.0)
+    odd = timings(p.Done("r", "length", prompt_tokens=3, completion_tokens=16, prompt_seconds=0.0123456,
+                         generation_seconds=0.123456789))
+    assert odd["predicted_ms"] == 123.457 and odd["predicted_per_second"] == 1e3 / odd["predicted_ms"] * 15
+    assert odd["prompt_per_second"] == 1e3 / odd["prompt_ms"] * 3
+
+
 # -- every dialect's stream from the same events ---------------------------------------------
 
 LP = logprob(b"Hello")

@@ -86,6 +86,7 @@ SAMPLES: dict[str, tuple[str, dict]] = {
     "--spec-draft-model": ("/models/d.gguf", {"model_draft": "/models/d.gguf"}),
     "--draft": ("6", {"draft_max": 6}),
     "--draft-min": ("1", {"draft_min": 1}),
+    "--spec-type": ("draft-simple", {}),
 }
 # What a flag or switch must produce: (positive effect, negative effect); None: refused.
 SWITCHES: dict[str, tuple[dict | None, dict | None]] = {
@@ -307,6 +308,10 @@ def test_dormouse_serve_flags_pass_through_untouched():
     (["--api-key-file", "/nonexistent/keys"], "cannot read"),
     (["-c", "x" * (2 << 20)], "longer than"),
     (["--top-k", "40"], "--top-k is not supported: no server-wide default"),
+    (["--spec-type", "ngram-mod"], "--spec-type 'ngram-mod' is not supported: Dormouse's speculation is draft-simple"),
+    (["--spec-type", "draft-simple,ngram-cache"], "'ngram-cache' is not supported"),
+    (["--spec-type", "none"], "for none, leave out -md"),
+    (["--spec-type", " , "], "' , ' is not supported"),
 ])
 def test_hostile_command_lines_give_one_clear_error(argv, message):
     with pytest.raises(LlamaServerArgsError) as error:

@@ -277,23 +277,26 @@ def token_logprobs(entries: Iterable[p.TokenLogprob]) -> list[dict]:
 
 def timings(done: p.Done) -> dict[str, Any]:
     """llama.cpp's timings block. prompt_n counts the tokens read (not the
-    ones the prompt cache held); the prompt time runs to the first token."""
+    ones the prompt cache held); the prompt time runs to the first token.
+    The first token comes from the prompt's last batch and costs no decode
+    step of its own, so the generation rates are over the n - 1 tokens after
+    it (as llama-server's). The rates are computed from the reported,
+    rounded milliseconds, so that a client recomputing them gets the same."""
     prompt_n = max(done.prompt_tokens - done.cached_tokens, 0)
-    prompt_ms = done.prompt_seconds * 1000
+    prompt_ms = round(done.prompt_seconds * 1000, 3)
     predicted_n = done.completion_tokens
-    predicted_ms = done.generation_seconds * 1000
+    predicted_ms = round(done.generation_seconds * 1000, 3)
+    steps = max(predicted_n - 1, 0)
     out = {
         "cache_n": done.cached_tokens,
         "prompt_n": prompt_n,
-        "prompt_ms": round(prompt_ms, 3),
-        "prompt_per_token_ms": round(prompt_ms / prompt_n, 3) if prompt_n else 0.0,
-        "prompt_per_second": round(prompt_n / done.prompt_seconds, 3) if done.prompt_seconds > 0 else 0.0,
+        "prompt_ms": prompt_ms,
+        "prompt_per_token_ms": prompt_ms / prompt_n if prompt_n else 0.0,
+        "prompt_per_second": 1e3 / prompt_ms * prompt_n if prompt_ms > 0 else 0.0,
         "predicted_n": predicted_n,
-        "predicted_ms": round(predicted_ms, 3),
-        "predicted_per_token_ms": round(predicted_ms / predicted_n, 3) if predicted_n else 0.0,
-        # The first token is counted in the prompt time, so the rate is over the ones after it.
-        "predicted_per_second": round((predicted_n - 1) / done.generation_seconds, 3)
-        if predicted_n > 1 and done.generation_seconds > 0 else 0.0,
+        "predicted_ms": predicted_ms,
+        "predicted_per_token_ms": predicted_ms / steps if steps else 0.0,
+        "predicted_per_second": 1e3 / predicted_ms * steps if steps and predicted_ms > 0 else 0.0,
     }
     if done.cache_tier:  # where cache_n came from: slot, ram or disk (the prompt cache's tiers)
         out["cache_tier"] = done.cache_tier
