@@ -18,6 +18,22 @@ from daemon.worker.errors import RequestError, context_advice
 from daemon.worker.llama_lib import llama
 
 
+def joined_parts(parts: list[p.ChatPart], marker: str, continued: bool = False) -> str:
+    """A message's parts as the one text its template reads, joined as llama.cpp joins them: a newline
+    between two texts, none next to an image's marker; two newlines in the message the answer continues
+    (an assistant prefill), as llama.cpp renders a continued message."""
+    between = "\n\n" if continued else "\n"
+    text, after_text = "", False
+    for part in parts:
+        if part.type == "image":
+            text += marker
+            after_text = False
+        else:
+            text += (between if after_text and text else "") + (part.text or "")
+            after_text = True
+    return text
+
+
 class PromptText:
     """Mixed into Engine: uses its vocab, runtime (rt), chat renderer, media, n_batch and slot context."""
 
@@ -79,20 +95,16 @@ class PromptText:
     def chat_prompt(self, msg: p.Submit | p.Query) -> tuple[str, list[bytes]]:
         """The rendered chat prompt, and the images in the order their markers appear."""
         contents, images = [], []
-        for m in msg.messages:
+        last = len(msg.messages) - 1
+        for i, m in enumerate(msg.messages):
             if isinstance(m.content, str):
-                content = m.content
-            else:
-                content = ""
-                for part in m.content:
-                    if part.type == "image":
-                        if self.media is None:
-                            raise RequestError("the request has an image but no multimodal projector is loaded (start with --mmproj)")
-                        images.append(part.image or b"")
-                        content += self.media.marker
-                    else:
-                        content += part.text or ""
-            contents.append(content)
+                contents.append(m.content)
+                continue
+            if self.media is None and any(part.type == "image" for part in m.content):
+                raise RequestError("the request has an image but no multimodal projector is loaded (start with --mmproj)")
+            marker = self.media.marker if self.media is not None else ""
+            contents.append(joined_parts(m.content, marker, continued=msg.continue_final and i == last))
+            images.extend(part.image or b"" for part in m.content if part.type == "image")
         try:
             prompt = self.chat.prompt(template_messages(msg.messages, contents), tools=msg.tools,
                                       add_generation_prompt=msg.add_generation_prompt,
