@@ -149,6 +149,16 @@ def _main(argv: list[str] | None) -> int:
     config_file = args.pop("config", None)
     if translation is not None:
         args = {**translation.serve_settings(), **args}
+        from config.vertex_ai import VertexAIError, vertex_settings
+
+        try:
+            vertex, notes = vertex_settings(os.environ)
+        except VertexAIError as exc:
+            print(f"dormouse: {exc}", file=sys.stderr)
+            return 2
+        for note in notes:
+            print(f"dormouse: {note}", file=sys.stderr)
+        args = {**args, **vertex}  # the platform's port wins over the command line's, as in llama-server
     try:
         settings = load_settings(config_file, args)
     except ConfigError as exc:

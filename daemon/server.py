@@ -27,6 +27,7 @@ from daemon.fleet.plans import ModelPlan, footprint_store, memory_budget
 from daemon.http.agent import snapshot_of, start_agent
 from daemon.http.app import build_app
 from daemon.http.keys import LISTENING
+from daemon.http.vertex_predict import RouteTaken
 from daemon.model.chat_template_check import warn_untemplated
 from daemon.logs import configure_logging, get_logger
 from daemon.metrics import MetricFamilies, Metrics
@@ -161,7 +162,11 @@ async def serve(settings: Settings, plans: list[ModelPlan], reload_settings: Cal
     for controller in fleet.controllers:
         controller.state_listeners.append(lambda before, after: notifier.status(fleet_status(fleet)))
 
-    app = build_app(fleet, settings, families, log)
+    try:
+        app = build_app(fleet, settings, families, log)
+    except RouteTaken as exc:  # nothing started yet: the fleet's tasks start below
+        log.error("http.route_taken", error=str(exc))
+        return 2
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=HTTP_CLOSE_SECONDS)
     await runner.setup()
     sock = inherited_socket()

@@ -199,9 +199,10 @@ def _keys_for(path: str, settings: Settings) -> tuple[list[tuple[str, SecretStr]
     """The keys (name, key) any one of which opens `path` (none: open), and what to call them.
     The admin key opens whatever an API key opens: it is the stronger key."""
     admin = [(ADMIN_NAME, settings.admin_key)] if settings.admin_key else []
-    if _is_probe(path):
+    if _is_probe(path) or path == settings.predict_health_route:
         return [("", k) for k in (settings.metrics_key,) if k], "metrics key"
-    if path.startswith(API_PREFIXES) or path in LLAMA_SERVER_PATHS or path in PRIVATE_GET_PATHS:
+    if path.startswith(API_PREFIXES) or path in LLAMA_SERVER_PATHS or path in PRIVATE_GET_PATHS \
+            or path == settings.predict_route:  # Vertex AI's: each instance is checked again as its own request
         api = _api_keys(settings)
         return (api + admin if api else []), "API key"
     if path in ADMIN_PATHS or path.startswith(ADMIN_PREFIXES):
@@ -361,6 +362,7 @@ def build_app(fleet: Fleet, settings: Settings, metrics: MetricFamilies, log) ->
     from daemon.http.dialects.openai import request as openai
     from daemon.http.dialects.responses import request as responses
     from daemon.http.status import page as status_page
+    from daemon.http import vertex_predict
 
     from daemon.http.cold_start import cold_start_headers, max_wait_header
 
@@ -380,4 +382,5 @@ def build_app(fleet: Fleet, settings: Settings, metrics: MetricFamilies, log) ->
         routes.add_routes(app)
     if settings.status_page:  # off: / and /ui are 404, as llama-server's --no-ui leaves them
         status_page.add_routes(app)
+    vertex_predict.add_routes(app)  # last: its formats are the routes above
     return app

@@ -348,3 +348,18 @@ def test_check_config_warns_of_a_state_dir_that_cannot_be_written(capsys, tmp_pa
     assert "warning: state directory" in captured.err and "is not a directory" in captured.err
     assert main(["check-config", "--model", str(model), "--state-dir", str(tmp_path / "fine")]) == 0
     assert json.loads(capsys.readouterr().out)["state_dir"]["warning"] is None
+
+
+def test_vertex_ais_variables_set_the_port_over_the_command_line_and_the_prediction_routes(capsys, monkeypatch,
+                                                                                         bundled_model):
+    monkeypatch.setenv("AIP_MODE", "PREDICTION")
+    monkeypatch.setenv("AIP_HTTP_PORT", "9123")
+    monkeypatch.setenv("AIP_HEALTH_ROUTE", "hz")
+    assert main(["check-config", "--model", bundled_model, "--port", "9001"]) == 0
+    out = capsys.readouterr()
+    shown = json.loads(out.out)["settings"]
+    assert (shown["port"], shown["predict_route"], shown["predict_health_route"]) == (9123, "/predict", "/hz")
+    assert "AIP_HTTP_PORT, over --port" in out.err
+    monkeypatch.setenv("AIP_HTTP_PORT", "port")
+    assert main(["check-config", "--model", bundled_model]) == 2
+    assert "AIP_HTTP_PORT 'port' is not a TCP port" in capsys.readouterr().err

@@ -1,0 +1,150 @@
+"""Vertex AI's prediction route: {"instances": [...]} in, {"predictions": [...]} out.
+
+A Vertex AI custom container is sent every request as a POST to one route (AIP_PREDICT_ROUTE,
+settings.predict_route; config/vertex_ai.py reads the variables). Each instance names the request it is
+with "@requestFormat": a camelCase name of a route ("chatCompletions" for /v1/chat/completions,
+"completion" for /completion, "embeddings", "rerank"...) or the route's path itself; the rest of the
+instance is that route's body. llama-server answers the same way (its GCP compat), and so do its clients.
+
+Each instance is sent to this daemon again as the HTTP request it names, over the socket the prediction
+came in on, with the prediction's key and Host: so it is checked, queued, logged and answered exactly as
+that request would be (an instance cannot reach a route its key does not open), and the route decides
+nothing it would not decide for a direct call. Instances run concurrently (the slots queue them) and
+never stream. Each answer goes into `predictions` in the instance's place, errors included, as
+llama-server does; the prediction itself is a 200 unless its own body is wrong. A client that goes away
+cancels the prediction, which closes the instances' connections and so cancels them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+from typing import Any, AsyncIterator
+
+import aiohttp
+from aiohttp import web
+
+from daemon.http.errors import ApiError
+from daemon.http.keys import SETTINGS
+
+MAX_INSTANCES = 128  # llama-server's bound
+PREDICT_SESSION = web.AppKey("predict_session", aiohttp.ClientSession)
+ROUTES_BY_FORMAT = web.AppKey("predict_routes_by_format", dict)
+# Forwarded to the instance's request: who calls (the key) and how they named this daemon (the Host check).
+FORWARDED = ("Authorization", "X-Api-Key", "Host", "X-Dormouse-Max-Wait")
+
+
+class RouteTaken(ValueError):
+    """predict_route or predict_health_route names a route Dormouse already serves."""
+
+
+def format_name(path: str) -> str:
+    """A route's camelCase name, as llama-server derives it: /v1/chat/completions -> chatCompletions,
+    /apply-template -> applyTemplate."""
+    path = path.removeprefix("/v1").lstrip("/")
+    words = re.split(r"[/_-]", path)
+    return words[0] + "".join(word[:1].upper() + word[1:] for word in words[1:])
+
+
+def routes_by_format(app: web.Application, predict_route: str) -> dict[str, str]:
+    """Each POST route's camelCase name and path -> its path (the first route of a name wins, as in
+    llama-server). Routes with path parameters and the prediction route itself are not dispatched to."""
+    out: dict[str, str] = {}
+    for route in app.router.routes():
+        info = route.resource.get_info() if route.resource is not None else {}
+        path = info.get("path")
+        if route.method != "POST" or path is None or path == predict_route:
+            continue  # dynamic resources have a formatter, not a path
+        out.setdefault(format_name(path), path)
+        out.setdefault(path, path)
+    return out
+
+
+def _error(message: str, status: int = 400) -> dict:
+    return ApiError(status, message, "invalid_value").body()
+
+
+def _answer_body(raw: bytes) -> Any:
+    try:
+        return json.loads(raw) if raw else None
+    except ValueError:
+        return raw.decode("utf-8", errors="replace")
+
+
+async def _run_instance(request: web.Request, base: str, instance: Any) -> Any:
+    if not isinstance(instance, dict):
+        return _error("each instance must be a JSON object")
+    request_format = instance.get("@requestFormat")
+    if not isinstance(request_format, str):
+        return _error("each instance must include a string @requestFormat")
+    path = request.app[ROUTES_BY_FORMAT].get(request_format)
+    if path is None:
+        return _error(f"no route for @requestFormat {request_format[:80]!r}: a route's camelCase name "
+                      "(chatCompletions, completion, embeddings...) or its path")
+    payload = {key: value for key, value in instance.items() if key != "@requestFormat"}
+    if "stream" in payload:
+        payload["stream"] = False  # a prediction is one JSON answer
+    headers = {name: request.headers[name] for name in FORWARDED if name in request.headers}
+    headers["Content-Type"] = "application/json"
+    async with request.app[PREDICT_SESSION].post(base + path, data=json.dumps(payload), headers=headers) as answer:
+        return _answer_body(await answer.read())
+
+
+def _base_url(request: web.Request) -> str:
+    """This daemon, at the socket the prediction reached."""
+    sockname = request.transport.get_extra_info("sockname") if request.transport is not None else None
+    if not isinstance(sockname, tuple) or len(sockname) < 2:
+        raise ApiError(501, "the prediction route is served on TCP sockets only", "not_supported")
+    host = str(sockname[0]).partition("%")[0]
+    if host in ("0.0.0.0", "::"):
+        host = "127.0.0.1" if host == "0.0.0.0" else "::1"
+    return f"http://[{host}]:{sockname[1]}" if ":" in host else f"http://{host}:{sockname[1]}"
+
+
+async def predict(request: web.Request) -> web.Response:
+    try:
+        data = json.loads(await request.read())
+    except (ValueError, RecursionError):
+        raise ApiError(400, "request body is not valid JSON", "invalid_json") from None
+    if not isinstance(data, dict):
+        raise ApiError(400, "request body must be a JSON object", "invalid_json")
+    instances = data.get("instances")
+    if not isinstance(instances, list):
+        raise ApiError(400, "request body must include an array field named instances", "invalid_value", "instances")
+    if len(instances) > MAX_INSTANCES:
+        raise ApiError(400, f"instances: at most {MAX_INSTANCES} in one prediction, got {len(instances)}",
+                       "invalid_value", "instances")
+    base = _base_url(request)
+    predictions = await asyncio.gather(*(_run_instance(request, base, instance) for instance in instances))
+    return web.json_response({"predictions": list(predictions)})
+
+
+async def _session(app: web.Application) -> AsyncIterator[None]:
+    # No total timeout: an instance takes as long as its answer (the prediction's client bounds it).
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_connect=10),
+                                     auto_decompress=True) as session:
+        app[PREDICT_SESSION] = session
+        yield
+
+
+def _route_taken(app: web.Application, path: str, method: str) -> bool:
+    return any(route.method in (method, "*") and route.resource is not None
+               and route.resource.get_info().get("path") == path for route in app.router.routes())
+
+
+def add_routes(app: web.Application) -> None:
+    """After every other route: the formats are the routes there are."""
+    settings = app[SETTINGS]
+    if settings.predict_health_route:
+        if _route_taken(app, settings.predict_health_route, "GET"):
+            raise RouteTaken(f"predict_health_route {settings.predict_health_route} is already a route of Dormouse")
+        health = next(route.handler for route in app.router.routes()
+                      if route.method == "GET" and route.resource.get_info().get("path") == "/health")
+        app.router.add_get(settings.predict_health_route, health)
+    if settings.predict_route:
+        if _route_taken(app, settings.predict_route, "POST"):
+            raise RouteTaken(f"predict_route {settings.predict_route} is already a route of Dormouse")
+        app[ROUTES_BY_FORMAT] = routes_by_format(app, settings.predict_route)
+        app.cleanup_ctx.append(_session)
+        app.router.add_post(settings.predict_route, predict)
