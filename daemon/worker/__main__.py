@@ -142,7 +142,7 @@ def ready(runtime, engine, device_memory) -> p.Ready:
         n_ctx_slot=engine.n_ctx_slot,
         phases=runtime.phases,
         model_info={**runtime.describe(), "memory_by_device": runtime.ledger.by_device(),
-                    "devices": device_memory()},
+                    "devices": device_memory(), "eog_tokens": engine.eog_tokens},
         memory=runtime.ledger.by_component(),
         kv_rejected=engine.saved.rejected_at_load if engine.saved else {},
     )

@@ -21,6 +21,7 @@ from typing import Callable
 
 from daemon import protocol as p
 from daemon.worker.chat import END_OF_TURN_MARKERS, ChatRenderer, template_for
+from daemon.worker.end_of_generation import end_of_generation_tokens
 from daemon.worker.errors import RequestError
 from daemon.worker.llama_lib import llama
 from daemon.protocol import VERIFY_GROUP
@@ -83,6 +84,7 @@ class Engine(PromptText, SlotAssignment):
             self.speculator = Speculator(runtime.draft_ctx, runtime.draft_model, spec.parallel, spec.batch_size,
                                          spec.draft_max, spec.draft_min, spec.draft_p_min)
         self.end_of_turn = self._single_tokens(END_OF_TURN_MARKERS)
+        self.eog_tokens = end_of_generation_tokens(self.vocab, self._single_tokens)  # what ignore_eos biases away
         self.saved = None  # the prompt cache's RAM and disk tiers (prompt_cache.py); None: both off
         self.restoring: list[tuple] = []  # (DiskRead, msg, tokens, sampler, slot): disk restores read off this thread
         if not runtime.spec.embeddings:

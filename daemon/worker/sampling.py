@@ -35,7 +35,9 @@ slot shares."""
 from __future__ import annotations
 
 import ctypes
+import math
 import secrets
+from collections.abc import Sequence
 
 from daemon.protocol import SamplingParams
 from daemon.worker.errors import RequestError
@@ -84,11 +86,14 @@ def resolved_logit_bias(params: SamplingParams, n_vocab: int, vocab: ctypes.c_vo
 
 class SamplerChain:
     def __init__(self, params: SamplingParams, n_vocab: int, n_ctx_slot: int, vocab: ctypes.c_void_p | None = None,
-                 grammar_of: "SamplerChain | None" = None) -> None:
+                 grammar_of: "SamplerChain | None" = None, eog: Sequence[int] = ()) -> None:
         """grammar_of: another request's chain whose grammar has accepted
         nothing yet (the first choice, at the fork of n choices): its matcher
-        copied rather than compiled again."""
+        copied rather than compiled again. eog: the model's end-of-generation
+        tokens, which ignore_eos never draws (llama-server biases them to -inf)."""
         logit_bias = resolved_logit_bias(params, n_vocab, vocab)
+        if params.ignore_eos and eog:
+            logit_bias = {**logit_bias, **dict.fromkeys(eog, -math.inf)}
         self.n_vocab = n_vocab
         self.top_logprobs = params.logprobs
         self.post_sampling = params.post_sampling_probs and params.logprobs is not None

@@ -83,7 +83,7 @@ class SlotAssignment:
                         f"{context_advice(self.rt.spec.ctx_size, self.rt.spec.parallel)}",
                         "context_length_exceeded",
                     )
-                sampler = SamplerChain(msg.params, self.n_vocab, self.n_ctx_slot, self.vocab)
+                sampler = SamplerChain(msg.params, self.n_vocab, self.n_ctx_slot, self.vocab, eog=self.eog_tokens)
             except RequestError as exc:
                 self.emit(p.Done(msg.request_id, "error", error=str(exc), error_code=exc.code))
                 continue
@@ -184,7 +184,8 @@ class SlotAssignment:
             other.scope, other.checkpoints = slot.scope, list(slot.checkpoints)
             params = job.params if job.params.seed is None else msgspec.structs.replace(
                 job.params, seed=(job.params.seed + i) % 2**32)  # a set seed still gives n different choices
-            sampler = SamplerChain(params, self.n_vocab, self.n_ctx_slot, self.vocab, grammar_of=job.sampler)
+            sampler = SamplerChain(params, self.n_vocab, self.n_ctx_slot, self.vocab, grammar_of=job.sampler,
+                                   eog=self.eog_tokens)
             other.job = Job(job.request_id, job.prompt, params, sampler, n_prompt_done=len(job.prompt), index=i,
                             group=group, started=job.started)
             other.job.end_tokens = job.end_tokens
@@ -208,7 +209,7 @@ class SlotAssignment:
             self.speculator.forget(slot)
         try:
             n_pos, n_tokens = self.media.evaluate(self.ctx, text, images, slot.id, self.n_batch, self.n_ctx_slot)
-            sampler = SamplerChain(msg.params, self.n_vocab, self.n_ctx_slot, self.vocab)
+            sampler = SamplerChain(msg.params, self.n_vocab, self.n_ctx_slot, self.vocab, eog=self.eog_tokens)
         except (MediaError, RequestError) as exc:
             llama.llama_memory_seq_rm(self.memory, slot.id, -1, -1)
             self.emit(p.Done(msg.request_id, "error", error=str(exc), error_code=exc.code))

@@ -123,3 +123,36 @@ def test_verbose_shows_the_prompt_the_worker_rendered(daemon):
     assert prompt.index("Book") < prompt.index("What is the best book")
     assert body["choices"][0]["message"]["role"] == "assistant" and body["usage"]["prompt_tokens"] > 5
     assert "__verbose" not in post(daemon, "/v1/chat/completions", messages=messages, max_tokens=2)
+
+
+def test_ignore_eos_never_draws_an_end_of_generation_token_and_says_so(daemon):
+    eog = daemon.http.get("/v1/models").json()["data"][0]["meta"]["eog_tokens"]
+    assert eog  # Gemma 3: <eos>, <end_of_turn>
+    pushed = [[t, 100] for t in eog]  # the end, made the likeliest token by far
+    ended = post(daemon, "/completion", prompt=PROMPT, n_predict=4, return_tokens=True, logit_bias=pushed)
+    assert ended["tokens"] == [] and ended["stop_type"] == "eos"
+    kept = post(daemon, "/completion", prompt=PROMPT, n_predict=4, return_tokens=True, logit_bias=pushed,
+                ignore_eos=True)
+    assert len(kept["tokens"]) == 4 and not set(kept["tokens"]) & set(eog) and kept["stop_type"] == "limit"
+    # llama-server's generation_settings: the end tokens at -inf, written null
+    shown = {entry["token"]: entry["bias"] for entry in kept["generation_settings"]["logit_bias"]}
+    assert shown == dict.fromkeys(eog, None)
+    assert post(daemon, "/completion", prompt=PROMPT, n_predict=1)["generation_settings"]["logit_bias"] == []
+
+
+def test_the_end_of_generation_tokens_are_llama_cpps_whole_set(bundled_model):
+    """Listed from llama.cpp's candidates, without a walk of the vocabulary: the walk finds no other."""
+    from daemon.worker.end_of_generation import end_of_generation_tokens
+    from tests.e2e.test_infill_rerank import Vocab
+
+    vocab = Vocab(bundled_model)
+    try:
+        lc, v = vocab.lc, vocab.vocab
+
+        def single_tokens(texts):
+            return [t[0] for t in (vocab.tokens(text, parse_special=True) for text in texts) if len(t) == 1]
+
+        walked = [t for t in range(lc.llama_vocab_n_tokens(v)) if lc.llama_vocab_is_eog(v, t)]
+        assert end_of_generation_tokens(v, single_tokens) == walked and len(walked) >= 2
+    finally:
+        vocab.close()

@@ -30,17 +30,21 @@ _SAMPLERS = ["penalties", "top_k", "top_p", "min_p", "temperature"]
 
 
 def generation_settings(params: p.SamplingParams, n_predict: int, stream: bool = False, n_probs: int = 0,
-                        post_sampling_probs: bool = False) -> dict:
+                        post_sampling_probs: bool = False, eog_tokens: list[int] = ()) -> dict:
     """llama-server's generation settings (its /props default_generation_settings.params and
-    /completion's generation_settings), with the fields Dormouse honours; seed -1: random."""
+    /completion's generation_settings), with the fields Dormouse honours; seed -1: random.
+    logit_bias: a bias of -inf (a token never drawn; `false` in the request) is null, as llama-server
+    writes it; with ignore_eos, the model's end-of-generation tokens (eog_tokens) are there at -inf."""
+    biases = dict(params.logit_bias)
+    if params.ignore_eos:
+        biases.update(dict.fromkeys(eog_tokens, -math.inf))
     return {"seed": -1 if params.seed is None else params.seed, "temperature": params.temperature,
             "top_k": params.top_k, "top_p": params.top_p, "min_p": params.min_p,
             "repeat_last_n": params.repeat_last_n, "repeat_penalty": params.repeat_penalty,
             "presence_penalty": params.presence_penalty, "frequency_penalty": params.frequency_penalty,
             "max_tokens": n_predict, "n_predict": n_predict, "ignore_eos": params.ignore_eos, "stream": stream,
             "n_probs": n_probs, "post_sampling_probs": post_sampling_probs, "stop": list(params.stop),
-            "logit_bias": [{"bias": b if math.isfinite(b) else False, "token": t}
-                           for t, b in params.logit_bias.items()],
+            "logit_bias": [{"bias": b if math.isfinite(b) else None, "token": t} for t, b in biases.items()],
             "samplers": _SAMPLERS}
 
 
@@ -89,7 +93,8 @@ async def native_answer(request: web.Request, model: FleetModel, job: Job, body,
     if not body.stream:
         answer = await native_whole(request, model, job, body, params, n_predict, post_sampling)
         return web.json_response(pick(answer) if pick is not None else answer)
-    end = {"generation_settings": generation_settings(params, n_predict, body.stream, body.n_probs, post_sampling)}
+    end = {"generation_settings": generation_settings(params, n_predict, body.stream, body.n_probs, post_sampling,
+                                                      model.controller.model_info.get("eog_tokens", []))}
     async with tracked(request, model, job, body.stream):
         item = await first_item(request, model, job)
         if is_failure(item):
@@ -105,7 +110,8 @@ async def native_answer(request: web.Request, model: FleetModel, job: Job, body,
 async def native_whole(request: web.Request, model: FleetModel, job: Job, body, params, n_predict: int,
                        post_sampling: bool) -> dict:
     """/completion's whole answer to one job (one prompt), as a dict."""
-    end = {"generation_settings": generation_settings(params, n_predict, False, body.n_probs, post_sampling)}
+    end = {"generation_settings": generation_settings(params, n_predict, False, body.n_probs, post_sampling,
+                                                      model.controller.model_info.get("eog_tokens", []))}
     async with tracked(request, model, job, False):
         item = await first_item(request, model, job)
         if is_failure(item):
