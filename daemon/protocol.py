@@ -181,6 +181,8 @@ class Submit(Message):
     # llama-server's id_slot: the slot this request must run in (it waits for that slot, first in, first
     # served); -1: the engine chooses (the best cache match).
     slot: int = -1
+    # llama-server's return_progress: a PromptProgress when the prompt's read begins and after each chunk of it.
+    progress: bool = False
 
 
 class Cancel(Message):
@@ -294,6 +296,21 @@ class Tokens(Message):
     index: int = 0  # the choice (Submit.n)
     finish_reason: str | None = None  # with n > 1: this choice's last Tokens (stop, length); Done ends the request
     reasoning_open: bool = False  # a choice's first Tokens: the chat prompt ended inside a thinking block
+    # The worker's clock so far (llama-server's timings_per_token): the prompt's read (to the first token), and
+    # the generation since the first token.
+    prompt_seconds: float = 0.0
+    generation_seconds: float = 0.0
+
+
+class PromptProgress(Message):
+    """How far a request's prompt has been read (Submit.progress): sent as its read begins (processed ==
+    cache), then after each chunk (the last: processed == total). seconds: since the request took its slot."""
+
+    request_id: str
+    total: int
+    cache: int
+    processed: int
+    seconds: float = 0.0
 
 
 class Done(Message):
@@ -390,7 +407,7 @@ ENGINE_MODULES = ("prompt_cache", "speculative", "multimodal")  # what `--import
 
 
 ToWorker = Load | Submit | Cancel | Ping | Sleep | Query | Doze | Rouse
-ToDaemon = Hello | LoadProgress | Ready | Tokens | Done | SlotStates | Pong | SleepReport | Error | Answer | DozeReport
+ToDaemon = Hello | LoadProgress | Ready | Tokens | PromptProgress | Done | SlotStates | Pong | SleepReport | Error | Answer | DozeReport
 
 _encoder = msgspec.msgpack.Encoder()
 _to_worker = msgspec.msgpack.Decoder(ToWorker)

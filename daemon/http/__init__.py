@@ -20,8 +20,11 @@
         the admin routes and the OpenAPI document.
     status/
         the status page at / and /ui, and its static files.
+    vertex_predict.py
+        Vertex AI's prediction route: each instance sent to this daemon again as
+        the request of the route it names (so it knows the routes, not the job).
 
-Arrows point down only: app -> admin, status, dialects -> core -> keys, errors.
+Arrows point down only: app -> admin, status, vertex_predict, dialects -> core -> keys, errors.
 tests/unit/test_layout.py holds the tree to it (no import circle, the core
 names no dialect, no file over 600 lines).
 """

@@ -416,6 +416,10 @@ class Controller(SleepTiers, WorkerLifecycle):
                     ttft = time.monotonic() - job.accepted_at
                     self.metrics.ttft_seconds.labels(start="cold" if job.cold else "warm").observe(ttft)
                 job.put(message)
+        elif isinstance(message, p.PromptProgress):
+            job = self.jobs.get(message.request_id)
+            if job is not None:
+                job.put(message)
         elif isinstance(message, p.Done):
             job = self.jobs.pop(message.request_id, None)
             if job is not None:

@@ -18,7 +18,7 @@ class JobFailure:
     retry_after: float | None = None
 
 
-Item = p.Tokens | p.Done | p.Answer | JobFailure
+Item = p.Tokens | p.PromptProgress | p.Done | p.Answer | JobFailure
 
 # The prompt-cache scope of the request being handled (p.Submit.cache_scope): set by the
 # HTTP layer from the named key and the body's cache_salt, read by Controller.new_job,

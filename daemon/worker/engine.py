@@ -271,6 +271,7 @@ class Engine(PromptText, SlotAssignment):
             if slot.state is SlotState.STARTED:
                 slot.move(SlotState.PROCESSING_PROMPT)
                 self._slots_changed = True
+                self._progress(slot.job)  # the read begins: what the cache held is all there is yet
         prompting = [s for s in self.slots if s.state is SlotState.PROCESSING_PROMPT]
         if self.speculator is not None and self._draft_chunk(bool(prompting)):
             prompting = []  # this step's one chunk was the draft's (it and the prompts take turns)
@@ -289,13 +290,18 @@ class Engine(PromptText, SlotAssignment):
             job.n_prompt_done = end
             # Before the decode: its last logits may fork n choices, which copy `exact`; a failed decode zeroes it.
             slot.exact = self.reuse.exact_after_read(job.n_cached, job.exact_from, end)
-            if self._decode(entries) and self.saved is not None and self.reuse.checkpoints \
-                    and len(slot.cache) == end >= self.saved.min_tokens:
+            if self._decode(entries, decoded=lambda: self._progress(job)) and self.saved is not None \
+                    and self.reuse.checkpoints and len(slot.cache) == end >= self.saved.min_tokens:
                 last = slot.checkpoints[-1].n if slot.checkpoints else 0
                 every = self.rt.spec.cache_checkpoint_every
                 if end == at_end or every > 0 and end - last >= every:
                     self._checkpoint(slot)  # a prompt's end (a regenerate comes back here), or every N tokens
         self.report_slots()
+
+    def _progress(self, job: Job) -> None:
+        if job.progress:
+            self.emit(p.PromptProgress(job.request_id, total=len(job.prompt), cache=job.n_cached,
+                                       processed=job.n_prompt_done, seconds=time.perf_counter() - job.started))
 
     def _speculate(self, slot: Slot) -> None:
         """Draft, then verify the next token and the drafts with the target."""
@@ -341,8 +347,10 @@ class Engine(PromptText, SlotAssignment):
         self._draft_went_last = sp.catch_up(slot, slot.cache) > 0
         return self._draft_went_last
 
-    def _decode(self, entries: list[tuple[Slot, int, bool]], handle_logits: bool = True) -> bool:
-        """Decode (slot, token, wants logits) entries as one batch and handle the logits."""
+    def _decode(self, entries: list[tuple[Slot, int, bool]], handle_logits: bool = True,
+                decoded: Callable[[], None] | None = None) -> bool:
+        """Decode (slot, token, wants logits) entries as one batch and handle the logits; `decoded`
+        runs between the two (a prompt's progress goes out before the token its last chunk gives)."""
         batch = self.batch
         outputs: list[tuple[Slot, int, Job]] = []
         for n, (slot, token, logits) in enumerate(entries):
@@ -359,6 +367,8 @@ class Engine(PromptText, SlotAssignment):
         if rc != 0:
             self._decode_failed(rc, {slot for slot, _, _ in entries})
             return False
+        if decoded is not None:
+            decoded()
         if handle_logits:
             for slot, index, job in outputs:
                 if slot.job is job:  # not ended meanwhile by another choice of its request failing
@@ -417,6 +427,8 @@ class Engine(PromptText, SlotAssignment):
                     n_cached_tokens=job.n_cached if first else 0,
                     logprobs=self._take_logprobs(job),
                     index=job.index,
+                    prompt_seconds=job.first_token_at - job.started,
+                    generation_seconds=now - job.first_token_at,
                 )
             )
         if job.stops.stopped:
@@ -441,8 +453,11 @@ class Engine(PromptText, SlotAssignment):
         if reason in ("stop", "length"):
             tail = job.stops.feed(job.utf8.flush()) + job.stops.flush()
             if tail or job.logprobs or group is not None:  # with n > 1 a choice's end is its own Tokens
+                first = job.first_token_at or job.started
                 self.emit(p.Tokens(job.request_id, tail, job.n_generated, logprobs=self._take_logprobs(job),
-                                   index=job.index, finish_reason=reason if group is not None else None))
+                                   index=job.index, finish_reason=reason if group is not None else None,
+                                   prompt_seconds=first - job.started,
+                                   generation_seconds=time.perf_counter() - first))
         job.sampler.free()  # a sampled token that was never decoded is simply not in the cache
         slot.job = None
         slot.move(SlotState.IDLE)

@@ -41,6 +41,7 @@ class Job:
     logprobs: list = field(default_factory=list)  # p.TokenLogprob of tokens not yet sent
     index: int = 0  # the choice, with n > 1
     group: "Choices | None" = None  # with n > 1: the request's choices
+    progress: bool = False  # PromptProgress as the prompt is read (Submit.progress)
 
     @property
     def n(self) -> int:

@@ -266,7 +266,7 @@ class SlotAssignment:
                 and not any(c.n == reuse for c in slot.checkpoints):
             self._checkpoint(slot)  # a turn boundary: where this prompt leaves what the slot held
         slot.job = Job(msg.request_id, tokens, msg.params, sampler, n_prompt_done=reuse, n_cached=reuse,
-                       exact_from=slot.exact)
+                       exact_from=slot.exact, progress=msg.progress)
         slot.last_used = time.monotonic()
         slot.move(SlotState.STARTED)
         self._slots_changed = True

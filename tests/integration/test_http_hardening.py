@@ -411,6 +411,7 @@ async def test_streamed_chunks_carry_usage_null_until_the_usage_chunk():
                     *streamed, last = chunks
                     assert all("usage" in c and c["usage"] is None for c in streamed), streamed
                     assert last["choices"] == [] and last["usage"]["completion_tokens"] == 3
+                    assert last["timings"]["predicted_n"] == 3  # llama-server's timings on the stream's last chunk
                 else:
                     assert all("usage" not in c for c in chunks)
 

@@ -18,8 +18,9 @@ from types import SimpleNamespace
 import pytest
 
 from daemon import protocol as p
-from daemon.http.core.events import (ChoiceReader, End, Failure, ReasoningDelta, Start, TextDelta, ToolCallDelta,
-                                     gather, piece_text, read_events, timings, token_logprobs, whole_answer)
+from daemon.http.core.events import (ChoiceReader, End, Failure, Progress, ReasoningDelta, Start, TextDelta,
+                                     ToolCallDelta, gather, piece_text, read_events, timings, token_logprobs,
+                                     whole_answer)
 from daemon.http.core.job import ToolMode
 from daemon.http.dialects.anthropic.answer import BlockStream, MessageShape
 from daemon.http.dialects.anthropic.answer import whole_body as anthropic_body
@@ -68,6 +69,27 @@ def read(items: list, readers: list[ChoiceReader]) -> list:
 
 
 # -- the reader: pieces -> events --------------------------------------------------------------
+
+def test_prompt_progress_comes_before_the_start_and_timings_so_far_follow_the_workers_clock():
+    reader = ChoiceReader()
+    begun = p.PromptProgress("r", total=70, cache=6, processed=6, seconds=0.001)
+    halfway = p.PromptProgress("r", total=70, cache=6, processed=38, seconds=0.25)
+    events = read([begun, halfway, tokens("Hi", n_prompt_tokens=70, n_cached_tokens=6, prompt_seconds=0.5),
+                   p.Tokens("r", "!", 3, prompt_seconds=0.5, generation_seconds=0.2), DONE], [reader])
+    assert events[:3] == [Progress(0, 70, 6, 6, 0.001), Progress(0, 70, 6, 38, 0.25), Start(0, 70, 6, False)]
+    assert events[0].prompt_progress() == {"total": 70, "cache": 6, "processed": 6, "time_ms": 1}
+    assert (events[0].timings()["prompt_n"], events[0].timings()["prompt_ms"]) == (0, 0.0)  # nothing read: no time
+    assert (events[1].timings()["prompt_n"], events[1].timings()["prompt_ms"]) == (32, 250.0)
+    so_far = reader.timings_so_far()
+    assert (so_far["cache_n"], so_far["prompt_n"], so_far["predicted_n"], so_far["predicted_ms"]) == (6, 64, 3, 200.0)
+    assert ChoiceReader().timings_so_far() is None  # before its first token
+
+
+def test_a_whole_answer_reads_past_progress():
+    begun = p.PromptProgress("r", total=7, cache=2, processed=2)
+    whole = asyncio.run(whole_answer(Script([tokens("b"), DONE]), begun))
+    assert whole.choices[0].text == "b" and whole.done is DONE
+
 
 def test_a_plain_answer_is_its_start_its_text_with_logprobs_and_its_end():
     first = logprob(b"Hel")
@@ -268,7 +290,7 @@ def responses_shape() -> ResponseShape:
     body = SimpleNamespace(max_tool_calls=None, wants_logprobs=True, format=None, instructions=None,
                            max_output_tokens=None, metadata=None, top_logprobs=None, tool_choice=None, tools=None,
                            safety_identifier=None)
-    chat = SimpleNamespace(parallel_tool_calls=True, temperature=None, top_p=None, user=None)
+    chat = SimpleNamespace(parallel_tool_calls=True, temperature=None, top_p=None, user=None, timings_per_token=False)
     return ResponseShape("job-1", "m", body, chat)
 
 
@@ -320,7 +342,7 @@ def test_ollama_streams_lines_the_calls_in_one_line_and_the_last_with_timings():
 
 
 def test_llama_server_streams_text_chunks_and_the_last_with_stop():
-    body = SimpleNamespace(return_tokens=True, n_probs=1)
+    body = SimpleNamespace(return_tokens=True, n_probs=1, timings_per_token=False)
     end = {"generation_settings": {"post_sampling_probs": False}}
     chunks = sse_data(drive(collecting(NativeChunks, "m", body, end), EVENTS))
     assert [c["content"] for c in chunks] == ["Hello", ""] and [c["stop"] for c in chunks] == [False, True]
@@ -333,7 +355,7 @@ def test_llama_server_streams_text_chunks_and_the_last_with_stop():
      lambda raw: sse_data(raw)[-1]["error"]["message"]),
     (lambda: collecting(BlockStream, MessageShape("j-1", "m", None)),
      lambda raw: sse_data(raw)[-1]["error"]["message"]),
-    (lambda: collecting(NativeChunks, "m", SimpleNamespace(return_tokens=False, n_probs=0),
+    (lambda: collecting(NativeChunks, "m", SimpleNamespace(return_tokens=False, n_probs=0, timings_per_token=False),
                         {"generation_settings": {"post_sampling_probs": False}}),
      lambda raw: sse_data(raw)[-1]["error"]["message"]),
     (lambda: collecting(LineWriter, ChatLines("m", SimpleNamespace(last_wake=None)), SimpleNamespace()),

@@ -103,7 +103,29 @@ class Failure:
         return failure_error(self.item)
 
 
-Event = Start | ReasoningDelta | TextDelta | ToolCallDelta | End | Failure
+@dataclass(frozen=True, slots=True)
+class Progress:
+    """How far the prompt has been read (llama-server's return_progress), before the first token: sent as the
+    read begins (processed == cache) and after each chunk (the last: processed == total)."""
+
+    index: int  # 0: the prompt is read once for every choice
+    total: int
+    cache: int
+    processed: int
+    seconds: float  # since the request took its slot
+
+    def prompt_progress(self) -> dict[str, int]:
+        return {"total": self.total, "cache": self.cache, "processed": self.processed,
+                "time_ms": round(self.seconds * 1000)}
+
+    def timings(self) -> dict[str, Any]:
+        """llama.cpp's timings block so far: nothing read yet is no time spent reading."""
+        read = self.processed > self.cache
+        return timings(p.Done("", "", prompt_tokens=self.processed, cached_tokens=self.cache,
+                              prompt_seconds=self.seconds if read else 0.0))
+
+
+Event = Start | ReasoningDelta | TextDelta | ToolCallDelta | End | Failure | Progress
 
 
 # -- the reader -----------------------------------------------------------------------------------
@@ -125,14 +147,18 @@ class ChoiceReader:
         most = most_calls if tools is not None and tools.parallel else 1
         self.forced = ForcedCallStream(tools.names, call_id, most=most) if forced else None
         self.answer: list[str] = []  # the text after its thinking, read whole at the end for its calls
+        self.prompt_tokens = self.cached_tokens = 0  # from its first Tokens
+        self.latest: p.Tokens | None = None  # its last Tokens: the worker's clock so far (timings_so_far)
         self.started = False
         self.finished = False
         self.reason: str | None = None  # from its last Tokens (n > 1)
 
     def feed(self, tokens: p.Tokens) -> list[Event]:
         out: list[Event] = []
+        self.latest = tokens
         if not self.started:
             self.started = True
+            self.prompt_tokens, self.cached_tokens = tokens.n_prompt_tokens, tokens.n_cached_tokens
             out.append(Start(self.index, tokens.n_prompt_tokens, tokens.n_cached_tokens, tokens.reasoning_open))
         text = tokens.text
         if self.reads_reasoning:
@@ -150,6 +176,16 @@ class ChoiceReader:
             else:
                 out[first] = replace(out[first], logprobs=logprobs)
         return out
+
+    def timings_so_far(self) -> dict[str, Any] | None:
+        """llama.cpp's timings block as this choice stands (llama-server's timings_per_token); None before
+        its first token."""
+        t = self.latest
+        if t is None:
+            return None
+        return timings(p.Done("", "", prompt_tokens=self.prompt_tokens, completion_tokens=t.n_tokens,
+                              cached_tokens=self.cached_tokens, prompt_seconds=t.prompt_seconds,
+                              generation_seconds=t.generation_seconds))
 
     def _content(self, text: str) -> list[Event]:
         if not text:
@@ -187,7 +223,11 @@ async def read_events(job: Job, item, readers: list[ChoiceReader]) -> AsyncItera
     """The job's events from its first item on (not a failure: that one is
     refused before an answer begins), one reader per choice. With n > 1 each
     choice ends at its last Tokens but the last one, which ends with the Done."""
-    while isinstance(item, p.Tokens):
+    while isinstance(item, (p.Tokens, p.PromptProgress)):
+        if isinstance(item, p.PromptProgress):  # only a stream that asked for it (return_progress) gets these
+            yield Progress(0, item.total, item.cache, item.processed, item.seconds)
+            item = await job.next(None)
+            continue
         reader = readers[item.index]
         for event in reader.feed(item):
             yield event

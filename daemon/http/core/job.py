@@ -171,7 +171,8 @@ async def chat_job(request: web.Request, chat: ChatJobRequest, endpoint: str, pa
         # A forced call (tool_choice required or named) is the whole answer: stop strings,
         # which clients send on every call, would cut its JSON, so they do not apply to it.
         params = msgspec.structs.replace(params, stop=[])
-    job = model.controller.new_job(endpoint, params, messages=messages, tools=tools, n=chat.n, **chat.template_args())
+    job = model.controller.new_job(endpoint, params, messages=messages, tools=tools, n=chat.n,
+                                   progress=chat.wants_progress, **chat.template_args())
     return model, job
 
 

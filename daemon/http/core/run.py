@@ -111,6 +111,8 @@ def _without_cache_counts(job: Job) -> None:
             return msgspec.structs.replace(item, cached_tokens=0, restored_tokens=0, cache_tier="")
         if isinstance(item, p.Tokens) and item.n_cached_tokens:
             return msgspec.structs.replace(item, n_cached_tokens=0)
+        if isinstance(item, p.PromptProgress) and item.cache:
+            return msgspec.structs.replace(item, cache=0)
         return item
 
     job.next = next_item  # type: ignore[method-assign]  # this job's alone (an instance attribute)

@@ -22,7 +22,7 @@ from functools import cache
 from typing import Annotated, Any, Literal
 
 import msgspec
-from pydantic import BaseModel, ConfigDict, Field, StrictStr, ValidationInfo, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr, ValidationInfo, field_validator, model_validator
 
 from daemon import protocol as p
 from daemon.logs import get_logger
@@ -268,6 +268,15 @@ class SamplingFields(RequestModel):
     json_schema: dict[str, Any] | None = Field(None, description="the output matches this JSON schema")
     grammar: str | None = Field(None, description="a GBNF grammar (root rule `root`) the output matches")
     cache_salt: CacheSalt | None = None
+    # llama-server's stream telemetry (a stream's chunks; a whole answer has its timings anyway)
+    return_progress: StrictBool = Field(False, description="stream: a chunk with prompt_progress {total, cache, "
+                                        "processed, time_ms} as the prompt's read begins and after each chunk of it")
+    timings_per_token: StrictBool = Field(False, description="stream: llama.cpp's timings block on every chunk, not "
+                                          "only on the last")
+
+    @property
+    def wants_progress(self) -> bool:
+        return self.stream and self.return_progress
 
     @field_validator("stop", mode="before")
     @classmethod

@@ -14,8 +14,8 @@ from aiohttp import web
 from daemon import protocol as p
 from daemon.fleet.owner import FleetModel
 from daemon.http.errors import ApiError
-from daemon.http.core.events import (ChoiceReader, End, Event, Failure, TextDelta, Whole, piece_text, read_events,
-                                     timings, whole_answer)
+from daemon.http.core.events import (ChoiceReader, End, Event, Failure, Progress, TextDelta, Whole, piece_text,
+                                     read_events, timings, whole_answer)
 from daemon.http.core.run import failure_error, first_item, is_failure, open_event_stream, overflow_counts, tracked
 from daemon.http.core.schemas import SamplingFields
 from daemon.http.dialects.llama_server.schemas import NativeCompletionRequest
@@ -100,8 +100,9 @@ async def native_answer(request: web.Request, model: FleetModel, job: Job, body,
         if is_failure(item):
             raise _native_error(item, body, model)
         response = await open_event_stream(request, job)
-        writer = NativeChunks(response.write, model.id, body, end)
-        async for event in read_events(job, item, [ChoiceReader()]):
+        reader = ChoiceReader()
+        writer = NativeChunks(response.write, model.id, body, end, reader)
+        async for event in read_events(job, item, [reader]):
             await writer.on(event)
         await response.write_eof()
         return response
@@ -158,12 +159,13 @@ class NativeChunks:
     step's text with its tokens and probabilities, the last with stop: true (no [DONE])."""
 
     def __init__(self, write: Callable[[bytes], Awaitable], model: str, body: NativeCompletionRequest,
-                 end: dict) -> None:
+                 end: dict, reader: ChoiceReader | None = None) -> None:
         self.write = write
         self.model = model
         self.body = body
         self.end = end  # generation_settings
         self.post_sampling = end["generation_settings"]["post_sampling_probs"]
+        self.reader = reader  # its timings so far (timings_per_token)
 
     async def send(self, body: dict) -> None:
         await self.write(b"data: " + msgspec.json.encode(body) + b"\n\n")
@@ -174,6 +176,14 @@ class NativeChunks:
                      "tokens": [e.token for e in event.logprobs] if self.body.return_tokens else []}
             if self.body.n_probs:
                 chunk["completion_probabilities"] = _native_probs(list(event.logprobs), self.post_sampling)
+            if self.body.timings_per_token and self.reader is not None:
+                chunk["timings"] = self.reader.timings_so_far()
+            await self.send(chunk)
+        elif isinstance(event, Progress):
+            chunk = {"index": 0, "content": "", "tokens": [], "stop": False,
+                     "prompt_progress": event.prompt_progress()}
+            if self.body.timings_per_token:
+                chunk["timings"] = event.timings()
             await self.send(chunk)
         elif isinstance(event, Failure):
             await self.send(failure_error(event.item).body())

@@ -114,7 +114,7 @@ async def completion(request: web.Request) -> web.StreamResponse:
         if is_mixed(body.prompt):  # token ids with texts between them: the texts tokenized in place
             body.prompt = await mixed_tokens(request, model, body.prompt)
         job = model.controller.new_job("completion", params, prompt=body.prompt, cache_prompt=body.cache_prompt,
-                                       slot=body.id_slot)
+                                       slot=body.id_slot, progress=body.wants_progress)
         return await native_answer(request, model, job, body, params, n_predict, post_sampling)
     # One job after another: a request never holds more slots than a single prompt would.
     answers = []

@@ -12,8 +12,8 @@ from aiohttp import web
 
 from daemon import protocol as p
 from daemon.fleet.owner import FleetModel
-from daemon.http.core.events import (ChoiceReader, End, Event, Failure, ReasoningDelta, TextDelta, ToolCallDelta,
-                                     Whole, read_events, whole_or_error)
+from daemon.http.core.events import (ChoiceReader, End, Event, Failure, Progress, ReasoningDelta, TextDelta,
+                                     ToolCallDelta, Whole, read_events, whole_or_error)
 from daemon.http.core.job import ToolMode
 from daemon.http.core.run import first_answer_item, open_event_stream, tracked
 from daemon.http.dialects.openai.shapes import _Shape
@@ -34,10 +34,12 @@ def streams_reasoning(reasoning: str | None) -> bool:
 
 async def run_job(request: web.Request, model: FleetModel, job: Job, shape: _Shape, stream: bool,
                   include_usage: bool, tools: ToolMode | None = None, reasoning: str | None = None,
-                  extra: Callable[[], Awaitable[dict]] | None = None) -> web.StreamResponse:
+                  extra: Callable[[], Awaitable[dict]] | None = None,
+                  timings_per_token: bool = False) -> web.StreamResponse:
     """tools: the output may hold tool calls (chat with tools). reasoning: a
     chat's reasoning_format (daemon/tools/reasoning.py); None: no thinking read out.
-    extra: keys added to a whole answer once it is read (llama-server's __verbose)."""
+    extra: keys added to a whole answer once it is read (llama-server's __verbose).
+    timings_per_token: a stream's every chunk carries llama.cpp's timings so far."""
     async with tracked(request, model, job, stream):
         item = await first_answer_item(request, model, job)
         n = job.submit.n
@@ -46,9 +48,9 @@ async def run_job(request: web.Request, model: FleetModel, job: Job, shape: _Sha
             answer = whole_body(whole, shape, tools, reasoning)
             return web.json_response({**answer, **await extra()} if extra is not None else answer)
         response = await open_event_stream(request, job)
-        writer = ChunkWriter(response.write, shape, n, include_usage, tools)
-        await writer.begin()
         readers = [ChoiceReader(i, tools, streams_reasoning(reasoning)) for i in range(n)]
+        writer = ChunkWriter(response.write, shape, n, include_usage, tools, timed=readers if timings_per_token else None)
+        await writer.begin()
         async for event in read_events(job, item, readers):
             await writer.on(event)
         await writer.close()
@@ -84,8 +86,9 @@ class ChunkWriter:
     may be held back while it may be a call)."""
 
     def __init__(self, write: Callable[[bytes], Awaitable], shape: _Shape, n: int, include_usage: bool,
-                 tools: ToolMode | None) -> None:
+                 tools: ToolMode | None, timed: list[ChoiceReader] | None = None) -> None:
         self.write = write
+        self.timed = timed  # the choices' readers, whose timings so far go on each chunk (timings_per_token)
         self.shape = shape
         self.n = n
         self.include_usage = include_usage
@@ -95,6 +98,10 @@ class ChunkWriter:
         self.failed = False
 
     async def send(self, body: dict) -> None:
+        if self.timed is not None and body.get("choices") and "timings" not in body:
+            timings = self.timed[body["choices"][0]["index"]].timings_so_far()
+            if timings is not None:
+                body["timings"] = timings
         await self.write(b"data: " + _encode(body) + b"\n\n")
 
     def take_logprobs(self, index: int) -> list[p.TokenLogprob]:
@@ -114,6 +121,13 @@ class ChunkWriter:
             await self.send(event.error.body())
             return
         index = event.index
+        if isinstance(event, Progress):  # return_progress: the opening chunk again, with how far the read is
+            chunk = self.shape.first_chunk(index=0) or self.shape.chunk("", index=0)
+            chunk["prompt_progress"] = event.prompt_progress()
+            if self.timed is not None:
+                chunk["timings"] = event.timings()
+            await self.send(chunk)
+            return
         if isinstance(event, (ReasoningDelta, TextDelta, ToolCallDelta)):
             self.pending[index].extend(event.logprobs)
         if isinstance(event, ReasoningDelta):

@@ -34,12 +34,14 @@ async def completions(request: web.Request) -> web.StreamResponse:
     params = body.sampling(limit, grammar, body.logprobs, defaults=settings)
     if body.suffix is not None:  # fill in the middle: the worker builds the prompt from the model's FIM tokens
         job = model.controller.new_job("completions", params, infill=p.Infill(body.prompt_value(), body.suffix),
-                                       n=body.n)
+                                       n=body.n, progress=body.wants_progress)
     else:
-        job = model.controller.new_job("completions", params, prompt=body.prompt_value(), n=body.n)
+        job = model.controller.new_job("completions", params, prompt=body.prompt_value(), n=body.n,
+                                       progress=body.wants_progress)
     shape = CompletionShape(f"cmpl-{job.id}", model.id, body.include_usage, logprobs=body.logprobs is not None,
                             fingerprint=system_fingerprint(model.controller.model_path))
-    return await run_job(request, model, job, shape, body.stream, body.include_usage)
+    return await run_job(request, model, job, shape, body.stream, body.include_usage,
+                         timings_per_token=body.timings_per_token)
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
@@ -53,7 +55,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 
     wanted = not body.stream and (body.verbose or request.app[SETTINGS].verbose_answers)
     return await run_job(request, model, job, shape, body.stream, body.include_usage, tools=tool_mode(body),
-                         reasoning=body.reasoning_format, extra=verbose if wanted else None)
+                         reasoning=body.reasoning_format, extra=verbose if wanted else None,
+                         timings_per_token=body.timings_per_token)
 
 
 async def chat_input_tokens(request: web.Request) -> web.Response:

@@ -135,7 +135,8 @@ class CompletionShape(_Shape):
         return body
 
     def usage_chunk(self, done: p.Done) -> dict:
-        return self.envelope(self.object_name, [], usage(done))
+        # llama-server's timings ride on a stream's very last chunk: this one, when it is sent
+        return self.envelope(self.object_name, [], usage(done), {"timings": timings(done)})
 
 
 class ChatShape(_Shape):
@@ -183,4 +184,5 @@ class ChatShape(_Shape):
         return body
 
     def usage_chunk(self, done: p.Done) -> dict:
-        return self.envelope("chat.completion.chunk", [], usage(done))
+        # llama-server's timings ride on a stream's very last chunk: this one, when it is sent
+        return self.envelope("chat.completion.chunk", [], usage(done), {"timings": timings(done)})

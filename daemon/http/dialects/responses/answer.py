@@ -28,8 +28,8 @@ from aiohttp import web
 from daemon import protocol as p
 from daemon.fleet.owner import FleetModel
 from daemon.http.core.conversation import ChatJobRequest
-from daemon.http.core.events import (ChoiceReader, End, Event, Failure, TextDelta, ToolCallDelta, Whole, read_events,
-                                     token_logprobs, whole_or_error)
+from daemon.http.core.events import (ChoiceReader, End, Event, Failure, Progress, TextDelta, ToolCallDelta, Whole,
+                                     read_events, timings, token_logprobs, whole_or_error)
 from daemon.http.core.job import ToolMode
 from daemon.http.core.run import first_answer_item, open_event_stream, tracked
 from daemon.model.jobs import Job
@@ -50,6 +50,7 @@ class ResponseShape:
         self.created_at = int(time.time())
         self.max_tool_calls = body.max_tool_calls
         self.wants_logprobs = body.wants_logprobs
+        self.timings_per_token = bool(chat.timings_per_token)  # llama-server's telemetry on the stream's deltas
         fmt = body.format
         self.echo = {
             "instructions": body.instructions, "max_output_tokens": body.max_output_tokens,
@@ -107,9 +108,10 @@ async def answer(request: web.Request, model: FleetModel, job: Job, shape: Respo
             whole = await whole_or_error(job, item)
             return web.json_response(whole_body(whole, shape, tools))
         response = await open_event_stream(request, job)
-        output = OutputStream(shape, _Events(response.write), tools)
+        reader = ChoiceReader(0, tools, most_calls=shape.max_tool_calls)
+        output = OutputStream(shape, _Events(response.write), tools, reader)
         await output.begin()
-        async for event in read_events(job, item, [ChoiceReader(0, tools, most_calls=shape.max_tool_calls)]):
+        async for event in read_events(job, item, [reader]):
             await output.on(event)
         await response.write_eof()
         return response
@@ -147,10 +149,12 @@ class OutputStream:
     (calls read from the whole answer are sent whole at the end), every item
     closed at the End, then response.completed or .incomplete (.failed on a Failure)."""
 
-    def __init__(self, shape: ResponseShape, events: _Events, tools: ToolMode | None) -> None:
+    def __init__(self, shape: ResponseShape, events: _Events, tools: ToolMode | None,
+                 reader: ChoiceReader | None = None) -> None:
         self.shape = shape
         self.events = events
         self.tools = tools
+        self.reader = reader  # its timings so far (llama-server's timings_per_token)
         self.items: list[dict] = []  # every item added, in output order (final forms once done)
         self.logprobs: list[p.TokenLogprob] = []  # of the message's text
         self.pending: list[p.TokenLogprob] = []  # not yet sent with a delta
@@ -172,10 +176,16 @@ class OutputStream:
         elif isinstance(event, ToolCallDelta):
             for delta in event.deltas:
                 await self._forced_delta(delta)
+        elif isinstance(event, Progress):  # return_progress: llama-server says it with response.in_progress
+            extra = {"timings": event.timings()} if self.shape.timings_per_token else {}
+            await self.events.send("response.in_progress", response=self.shape.response("in_progress", []),
+                                   prompt_progress=event.prompt_progress(), **extra)
         elif isinstance(event, End):
             status = await self.finish(event)
+            # llama.cpp's timings beside the response object, as llama-server ends its stream
+            extra = {"timings": timings(event.done)} if event.done is not None else {}
             await self.events.send("response.completed" if status == "completed" else "response.incomplete",
-                                   response=self.shape.response(status, self.items, event.done))
+                                   response=self.shape.response(status, self.items, event.done), **extra)
         elif isinstance(event, Failure):
             error = event.error
             await self.events.send("response.failed", response=self.shape.response(
@@ -188,8 +198,10 @@ class OutputStream:
             await self._open_message()
         self.content.append(text)
         entries, self.pending = self.pending, []
+        timed = self.reader.timings_so_far() if self.shape.timings_per_token and self.reader is not None else None
         await self.events.send("response.output_text.delta", item_id=self.message["id"], output_index=self._index,
-                               content_index=0, delta=text, logprobs=self.shape.logprobs(entries))
+                               content_index=0, delta=text, logprobs=self.shape.logprobs(entries),
+                               **({"timings": timed} if timed is not None else {}))
 
     async def _open_message(self) -> None:
         self.message = self.shape.message(_item_id("msg"), "in_progress", [])

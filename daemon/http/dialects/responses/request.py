@@ -37,7 +37,7 @@ KNOWN_INCLUDES = frozenset({LOGPROBS_INCLUDE, "reasoning.encrypted_content"})
 # llama.cpp's sampling fields beside Responses' own (llama-server passes them through): chat validates them, by these names.
 SAMPLING_PASSTHROUGH = ("temperature", "top_p", "top_k", "min_p", "seed", "repeat_penalty", "repeat_last_n",
                         "presence_penalty", "frequency_penalty", "logit_bias", "stop", "ignore_eos", "user",
-                        "chat_template_kwargs")
+                        "chat_template_kwargs", "return_progress", "timings_per_token")
 ShortText = Annotated[str, Field(max_length=512)]
 CallId = Annotated[str, Field(min_length=1, max_length=256)]
 
@@ -331,6 +331,8 @@ class ResponsesRequest(RequestModel):
     top_p: Any = None
     user: Any = None
     chat_template_kwargs: Any = None
+    return_progress: Any = None
+    timings_per_token: Any = None
 
     @field_validator("input", mode="before")
     @classmethod
