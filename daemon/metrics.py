@@ -24,7 +24,7 @@ from daemon.metrics_compat import CompatExport
 from statemachine import ServerState, SlotState
 
 if TYPE_CHECKING:
-    from daemon.protocol import Done
+    from daemon.protocol import Done, SlotStates
 
 # No `<name>_created` series beside each counter and histogram (one per series, 49 on a fresh
 # daemon): Prometheus reads the text format, which needs none, and they doubled what a scrape
@@ -158,6 +158,14 @@ class MetricFamilies:
         self.requests_waiting = Gauge("dormouse_requests_waiting", "Requests accepted and waiting for a worker", M, registry=r)
         self.requests = Counter("dormouse_requests_total", "Requests answered, by endpoint and status", M + ["endpoint", "status"], registry=r)
         self.slots = Gauge("dormouse_slots", "Slots by state", M + ["state"], registry=r)
+        self.decodes = Counter("dormouse_decodes_total", "llama_decode calls of the model for prompts and generation "
+                               "(a step of several slots is one call; embeddings not counted)", M, registry=r)
+        self.decode_busy_slots = Counter("dormouse_decode_busy_slots_total", "Busy slots summed over the decodes "
+                                         "(divided by dormouse_decodes_total: the mean slots per decode)", M, registry=r)
+        self.sequence_tokens_max = Gauge("dormouse_sequence_tokens_max", "The longest sequence (prompt and answer) a "
+                                         "slot has held since the daemon started", M, registry=r)
+        self.speculative_rounds = Counter("dormouse_speculative_rounds_total", "Verification steps that checked one or "
+                                          "more drafted tokens", M, registry=r)
         self.draft_tokens = Counter("dormouse_speculative_draft_tokens_total", "Tokens proposed by the draft model", M, registry=r)
         self.accepted_tokens = Counter("dormouse_speculative_accepted_tokens_total", "Drafted tokens the target accepted", M, registry=r)
         self.worker_restarts = Counter("dormouse_worker_restarts_total", "Workers that exited without being asked to", M, registry=r)
@@ -356,6 +364,14 @@ class Metrics:
         """tier: awake, drowsy, light or deep; None: none of them (neither awake nor asleep)."""
         for name in ("awake", "drowsy", "light", "deep"):
             self.sleep_tier.labels(tier=name).set(1 if name == tier else 0)
+
+    def add_decodes(self, states: "SlotStates") -> None:
+        """The worker's decode counts since its last report (daemon.protocol.SlotStates)."""
+        self.decodes.inc(states.decodes)
+        self.decode_busy_slots.inc(states.busy_slot_decodes)
+        self.speculative_rounds.inc(states.draft_rounds)
+        if states.tokens_max > self.sequence_tokens_max._value.get():
+            self.sequence_tokens_max.set(states.tokens_max)
 
     def set_slots(self, states: list[str]) -> None:
         for slot_state in SlotState:

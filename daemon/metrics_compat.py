@@ -33,9 +33,13 @@ What is approximated, and why:
   its client left.
 - llama-server's throughput gauges are averaged over the window between two
   scrapes, as llama-server's (so two scrapers share one window).
-- Not exported (Dormouse has no source): llama-server's n_decode_total,
-  n_tokens_max, n_busy_slots_per_decode, spec_decode_num_drafts_total; vLLM's
-  lora_requests_info (no adapters are served), cache_config_info,
+- llama-server's n_decode_total counts the model's decodes for prompts and
+  generation, speculative verification included (llama-server leaves those
+  out), embeddings not; n_tokens_max is the longest sequence a slot has held
+  since the daemon started (a counter in llama-server's exposition, a gauge's
+  value here). The worker reports these with its slots' states, so they stand
+  as of the last slot change (every request's end is one).
+- Not exported (Dormouse has no source): vLLM's lora_requests_info (no adapters are served), cache_config_info,
   num_preemptions, iteration_tokens_total.
 """
 
@@ -108,6 +112,10 @@ class Model:
     generated: float = 0.0
     drafted: float = 0.0
     accepted: float = 0.0
+    decodes: float = 0.0
+    busy_slot_decodes: float = 0.0
+    draft_rounds: float = 0.0
+    tokens_max: float = 0.0
     finished: dict[str, float] = field(default_factory=dict)
     hist: dict[str, Merged] = field(default_factory=dict)  # ttft, tpot, request_*, e2e
     e2e: dict[tuple[str, str], Merged] = field(default_factory=dict)  # (operation, outcome) -> duration
@@ -164,8 +172,12 @@ def read(families: MetricFamilies) -> dict[str, Model]:
         model.in_flight = value
     for model, _, value in each(families.requests_waiting):
         model.waiting = value
+    for model, _, value in each(families.sequence_tokens_max):
+        model.tokens_max = value
     for name, attr in (("prompt_tokens", "prompt"), ("prompt_cache_restored_tokens", "cached"),  # cached: every tier
-                       ("generated_tokens", "generated"), ("draft_tokens", "drafted"), ("accepted_tokens", "accepted")):
+                       ("generated_tokens", "generated"), ("draft_tokens", "drafted"), ("accepted_tokens", "accepted"),
+                       ("decodes", "decodes"), ("decode_busy_slots", "busy_slot_decodes"),
+                       ("speculative_rounds", "draft_rounds")):
         for model, _, value in each(getattr(families, name), "_total"):
             setattr(model, attr, getattr(model, attr) + value)
     for model, labels, value in each(families.requests_finished, "_total"):
@@ -211,7 +223,10 @@ class CompatExport:
             out += vllm(models)
         if "otel" in kinds:
             out += otel(models)
-        return generate_latest(_Families(out))
+        text = generate_latest(_Families(out))
+        if "llamacpp" in kinds:
+            text += llamacpp_tokens_max(models)
+        return text
 
     def llamacpp(self, models: dict[str, Model]) -> list[Any]:
         """llama-server's /metrics (server-task.cpp to_metrics), one model without labels."""
@@ -254,12 +269,30 @@ class CompatExport:
             counter("tokens_predicted_seconds", "Time spent generating", lambda m: seconds(m, "decode")),
             counter("spec_decode_num_draft_tokens", "Tokens proposed by the draft model", lambda m: m.drafted),
             counter("spec_decode_num_accepted_tokens", "Drafted tokens the target accepted", lambda m: m.accepted),
+            counter("spec_decode_num_drafts", "Verification steps that checked drafted tokens "
+                    "(dormouse_speculative_rounds_total)", lambda m: m.draft_rounds),
+            counter("n_decode", "llama_decode calls for prompts and generation (dormouse_decodes_total)",
+                    lambda m: m.decodes),
             gauge("prompt_tokens_seconds", "Prompt tokens read per second since the last scrape", prompt_rate),
             gauge("predicted_tokens_seconds", "Tokens generated per second since the last scrape", predicted_rate),
             gauge("requests_processing", "Requests on a slot (busy slots)", {k: m.busy for k, m in models.items()}),
             gauge("requests_deferred", "Requests waiting for a slot or for a wake",
                   {k: m.deferred for k, m in models.items()}),
+            gauge("n_busy_slots_per_decode", "Mean busy slots per llama_decode call",
+                  {k: m.busy_slot_decodes / max(m.decodes, 1.0) for k, m in models.items()}),
         ]
+
+
+def llamacpp_tokens_max(models: dict[str, Model]) -> bytes:
+    """llamacpp:n_tokens_max as llama-server writes it: typed counter without the _total that
+    prometheus_client's counters always add (dashboards query the bare name), so written here.
+    Model ids hold no character a label value must escape (config/models.py MODEL_ID)."""
+    lines = ["# HELP llamacpp:n_tokens_max The longest sequence a slot has held (dormouse_sequence_tokens_max)",
+             "# TYPE llamacpp:n_tokens_max counter"]
+    for model_id, m in models.items():
+        labels = f'{{model="{model_id}"}}' if len(models) > 1 else ""
+        lines.append(f"llamacpp:n_tokens_max{labels} {float(m.tokens_max)!r}")
+    return ("\n".join(lines) + "\n").encode()
 
 
 def vllm(models: dict[str, Model]) -> list[Any]:

@@ -345,6 +345,12 @@ class SlotInfo(msgspec.Struct):
 
 class SlotStates(Message):
     slots: list[SlotInfo]
+    # The engine's work since its last SlotStates (llama-server's decode counters): llama_decode calls of the
+    # model, the busy slots summed over them, speculative verification steps; and the longest sequence held.
+    decodes: int = 0
+    busy_slot_decodes: int = 0
+    draft_rounds: int = 0
+    tokens_max: int = 0
 
 
 class Pong(Message):

@@ -434,6 +434,7 @@ class Controller(SleepTiers, WorkerLifecycle):
         elif isinstance(message, p.SlotStates):
             self.slots = message.slots
             self.metrics.set_slots([s.state for s in message.slots])
+            self.metrics.add_decodes(message)
         elif isinstance(message, p.Error):
             self.log.error("worker.error", message=message.message, during=message.during)
 

@@ -43,6 +43,17 @@ class EmbeddingWork:
     read: int = 0  # tokens
 
 
+@dataclass
+class DecodeCounts:
+    """The engine's decodes since its last report (llama-server's n_decode_total, n_busy_slots_per_decode,
+    n_tokens_max, spec_decode_num_drafts_total)."""
+
+    decodes: int = 0
+    busy_slot_decodes: int = 0
+    draft_rounds: int = 0
+    tokens_max: int = 0
+
+
 class Engine(PromptText, SlotAssignment):
     def __init__(self, runtime: Runtime, emit: Callable[[p.Message], None]) -> None:
         self.rt = runtime
@@ -73,6 +84,7 @@ class Engine(PromptText, SlotAssignment):
             eos_token=self.token_text(llama.llama_vocab_eos(self.vocab)),
         )
         self._slots_changed = False
+        self.counts = DecodeCounts()  # since the last SlotStates
         self._prompt_turn = 0  # the slot whose prompt chunk goes first in the next step
         self._draft_turn = 0  # ... and whose draft catch-up chunk (_draft_chunk)
         self._draft_went_last = False  # the last step's chunk was the draft's: the prompts' turn
@@ -309,6 +321,7 @@ class Engine(PromptText, SlotAssignment):
         room = min(job.params.max_tokens - job.n_generated, self.n_ctx_slot - len(slot.cache) - 2) - 1
         drafts = self.speculator.propose(slot, slot.cache + [job.next_token], room)
         job.n_drafted += len(drafts)
+        self.counts.draft_rounds += bool(drafts)
         tokens = [job.next_token, *drafts]
         job.next_token = None
         i = 0
@@ -363,6 +376,9 @@ class Engine(PromptText, SlotAssignment):
             if logits:
                 outputs.append((slot, n, slot.job))
         batch.n_tokens = len(entries)
+        self.counts.decodes += 1
+        self.counts.busy_slot_decodes += sum(1 for slot in self.slots if slot.job is not None)
+        self.counts.tokens_max = max(self.counts.tokens_max, max(len(slot.cache) for slot, _, _ in entries))
         rc = llama.llama_decode(self.ctx, batch)
         if rc != 0:
             self._decode_failed(rc, {slot for slot, _, _ in entries})
@@ -515,15 +531,20 @@ class Engine(PromptText, SlotAssignment):
         )
 
     def report_slots(self) -> None:
+        """The slots' states when they changed, with the decode counts since the last report (a request's
+        end changes its slot: its counts are reported before its Done)."""
         if not self._slots_changed:
             return
         self._slots_changed = False
+        counts, self.counts = self.counts, DecodeCounts()
         self.emit(
             p.SlotStates(
                 [
                     p.SlotInfo(s.id, str(s.state), s.job.request_id if s.job else None, len(s.cache))
                     for s in self.slots
-                ]
+                ],
+                decodes=counts.decodes, busy_slot_decodes=counts.busy_slot_decodes,
+                draft_rounds=counts.draft_rounds, tokens_max=counts.tokens_max,
             )
         )
 

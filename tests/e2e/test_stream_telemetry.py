@@ -99,3 +99,19 @@ def test_responses_stream_progress_and_timings(daemon):
 def test_the_fields_take_booleans_only(daemon, field, value):
     r = daemon.http.post("/completion", json={"prompt": "x", "n_predict": 1, field: value})
     assert r.status_code == 400 and field in r.json()["error"]["message"]
+
+
+def test_the_worker_counts_its_decodes_for_llama_servers_counters(daemon):
+    from tests.metrics_text import value
+
+    def scrape() -> str:
+        return daemon.http.get("/metrics").text
+
+    before = value(scrape(), "dormouse_decodes_total")
+    answer = daemon.http.post("/completion", json={"prompt": PROMPT, "n_predict": 5, "cache_prompt": False,
+                                                    "ignore_eos": True}).json()  # five tokens, always
+    after = scrape()
+    # one slot: a decode per prompt chunk of 32, then one per token after the first (its logits end the prompt)
+    chunks = -(-answer["tokens_evaluated"] // 32)
+    assert value(after, "dormouse_decodes_total") - before == chunks + answer["tokens_predicted"] - 1
+    assert value(after, "dormouse_sequence_tokens_max") >= answer["tokens_evaluated"] + answer["tokens_predicted"] - 1

@@ -171,6 +171,25 @@ def test_tokens_are_dormouses_counters_and_llamacpp_leaves_the_cached_ones_out()
     assert value(t, "vllm:request_queue_time_seconds_sum") == pytest.approx(1.0)  # 0.5 each
 
 
+def test_llama_servers_decode_counters_add_up_the_workers_reports():
+    families, models = fleet("a")
+    t = text(families)
+    assert value(t, "llamacpp:n_decode_total") == 0 == value(t, "llamacpp:n_busy_slots_per_decode")  # no 0/0
+    for decodes, busy, rounds, longest in ((10, 14, 0, 300), (5, 10, 2, 120)):  # reports since the last one
+        models["a"].add_decodes(p.SlotStates([], decodes=decodes, busy_slot_decodes=busy, draft_rounds=rounds,
+                                             tokens_max=longest))
+    t = text(families)
+    assert value(t, "llamacpp:n_decode_total") == 15 == value(t, "dormouse_decodes_total", model="a")
+    assert value(t, "llamacpp:n_busy_slots_per_decode") == pytest.approx(24 / 15)
+    assert value(t, "llamacpp:spec_decode_num_drafts_total") == 2
+    assert value(t, "dormouse_sequence_tokens_max", model="a") == 300  # the longest, not the last
+    # as llama-server writes it: a counter without _total (prometheus_client's parser would rename it)
+    assert "# TYPE llamacpp:n_tokens_max counter" in t and "llamacpp:n_tokens_max 300.0" in t.splitlines()
+    families, models = fleet("a", "b")
+    models["b"].add_decodes(p.SlotStates([], tokens_max=7))
+    assert 'llamacpp:n_tokens_max{model="b"} 7.0' in text(families).splitlines()
+
+
 def test_finish_reasons_are_vllms_and_a_refused_request_computed_nothing():
     families, models = fleet("a")
     for reason in ("stop", "length", "length", "cancelled", "error"):
