@@ -38,7 +38,18 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from config.llama_options import LlamaOptions
 
-MODEL_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
+# A model's id or alias: what requests name. Parts joined by '/' as llama-server's router names models
+# (owner/name:QUANT), each part starting with a letter or digit (no '.' or '..' part, no leading, trailing
+# or doubled '/'): the id also names the model's directories (model_dir_name).
+MODEL_ID = re.compile(r"^(?=.{1,128}$)[A-Za-z0-9][A-Za-z0-9._:-]*(?:/[A-Za-z0-9][A-Za-z0-9._:-]*)*$")
+MODEL_ID_RULE = "1-128 letters, digits, '.', '_', ':' or '-', parts joined by '/' (owner/name:QUANT)"
+
+
+def model_dir_name(model_id: str) -> str:
+    """The one path component a model's own directories are named by (its prompt cache under
+    state_dir/kv, its slot files under slot_save_path): '/' written %2F ('%' is in no id, so two ids
+    never share a name), so that "a/b" is no directory inside model a's."""
+    return model_id.replace("/", "%2F")
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
 _UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -132,7 +143,7 @@ class ModelSettings(BaseModel):
     def _names(cls, aliases: list[str]) -> list[str]:
         for alias in aliases:
             if not MODEL_ID.fullmatch(alias):
-                raise ValueError(f"alias {alias!r} must be 1-128 letters, digits, '.', '_', ':' or '-'")
+                raise ValueError(f"alias {alias!r} must be {MODEL_ID_RULE}")
         return aliases
 
     @field_validator("sleep_idle_seconds", "drowsy_after", "deep_after")
@@ -196,7 +207,7 @@ def check_model_ids(models: dict[str, ModelSettings]) -> None:
     seen: dict[str, str] = {}
     for model_id, table in models.items():
         if not MODEL_ID.fullmatch(model_id):
-            raise ValueError(f"model id {model_id!r} must be 1-128 letters, digits, '.', '_', ':' or '-'")
+            raise ValueError(f"model id {model_id!r} must be {MODEL_ID_RULE}")
         for name in (model_id, *table.aliases):
             if name in seen and seen[name] != model_id:
                 raise ValueError(f"the name {name!r} is used by both {seen[name]} and {model_id}")

@@ -32,6 +32,7 @@ import msgspec
 import psutil
 
 from config import Settings
+from config.models import model_dir_name
 from daemon import protocol as p
 from daemon.gpu import Nvml
 from daemon.model.files import state_dir
@@ -95,7 +96,7 @@ class Controller(SleepTiers, WorkerLifecycle):
         self.settings = settings
         self.model_id = model_id
         # This model's prompt caches, saved at each sleep (daemon/model/kv_files.py).
-        self.kv_dir = state_dir(settings) / "kv" / model_id
+        self.kv_dir = state_dir(settings) / "kv" / model_dir_name(model_id)
         self.kv_saved: dict[str, Any] = describe_dir(self.kv_dir)
         metrics.set_disk_tier(self.kv_saved)
         self.model_path = model_path

@@ -20,6 +20,7 @@ from typing import Any, Awaitable, Callable
 
 import psutil
 
+from config.models import model_dir_name
 from daemon import protocol as p
 from daemon.model.kv_files import describe_dir
 from daemon.model.load_progress import progress_lines
@@ -210,7 +211,7 @@ class WorkerLifecycle:
             kv_disk_bytes=s.kv_cache_disk_bytes,
             kv_shared_dir=str(s.shared_cache_dir) if s.shared_cache_dir else None,
             prompt_cache_ram_bytes=s.prompt_cache_ram_bytes,
-            slot_dir=str(s.slot_save_path / self.model_id) if s.slot_save_path else None,
+            slot_dir=str(s.slot_save_path / model_dir_name(self.model_id)) if s.slot_save_path else None,
             embeddings=s.embeddings,
             pooling=s.pooling,
             cache_deterministic=s.cache_deterministic,

@@ -22,6 +22,7 @@ committed haproxy.cfg is this script's output and that `haproxy -c` passes.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import re
 import sys
@@ -35,7 +36,8 @@ DEFAULT_OUTPUT = HERE / "haproxy.cfg"
 
 # The daemon's own rule for model ids and aliases (config/models.py MODEL_ID;
 # a test checks the two are the same).
-MODEL_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
+MODEL_ID = re.compile(r"^(?=.{1,128}$)[A-Za-z0-9][A-Za-z0-9._:-]*(?:/[A-Za-z0-9][A-Za-z0-9._:-]*)*$")
+ID_RULE = "1-128 letters, digits, '.', '_', ':' or '-', parts joined by '/' (owner/name:QUANT)"
 # Replica names become HAProxy server names and environment variable names
 # (r1 -> DORMOUSE_R1): no "_", so that two names never give one variable.
 REPLICA_NAME = re.compile(r"^[a-z][a-z0-9-]{0,30}[a-z0-9]$|^[a-z]$")
@@ -124,12 +126,12 @@ def parse_fleet(data: dict, where: str = "fleet") -> Fleet:
     for index, (model_id, table) in enumerate(tables.items()):
         key = f"{where}: models.{model_id}"
         if not MODEL_ID.fullmatch(model_id):
-            raise FleetError(f"{key}: a model id is 1-128 letters, digits, '.', '_', ':' or '-'")
+            raise FleetError(f"{key}: a model id is {ID_RULE}")
         if not isinstance(table, dict) or set(table) - MODEL_KEYS:
             raise FleetError(f"{key}: a table of {sorted(MODEL_KEYS)} only")
         aliases = table.get("aliases", [])
         if not isinstance(aliases, list) or not all(isinstance(a, str) and MODEL_ID.fullmatch(a) for a in aliases):
-            raise FleetError(f"{key}.aliases: a list of names (1-128 letters, digits, '.', '_', ':' or '-')")
+            raise FleetError(f"{key}.aliases: a list of names ({ID_RULE})")
         for name in (model_id, *aliases):
             if name in names:
                 raise FleetError(f"{key}: the name {name!r} is used by {names[name]} too")
@@ -174,16 +176,24 @@ BUFSIZE = 256 * 1024
 MODEL_HEADER = "X-Dormouse-Model"  # the model, for a body too large for HAProxy to read
 
 
+def name_part(model: str) -> str:
+    """A model id within an HAProxy name (letters, digits, '-', '_', '.', ':'): as it is, or for an id
+    with '/' (owner/name:QUANT) its parts joined by '.' and a hash of the id, so no two ids share one."""
+    if "/" not in model:
+        return model
+    return model.replace("/", ".") + "." + hashlib.sha256(model.encode()).hexdigest()[:8]
+
+
 def backend_name(model: str) -> str:
-    return f"model.{model}"
+    return f"model.{name_part(model)}"
 
 
 def overflow_name(model: str) -> str:
-    return f"overflow.{model}"
+    return f"overflow.{name_part(model)}"
 
 
 def acl_name(model: str) -> str:
-    return f"wants_{model}"
+    return f"wants_{name_part(model)}"
 
 
 NAME_IN_REQUEST = "%[var(txn.model),bytes(0,100),json(utf8s)]"  # JSON-escaped, at most 100 bytes

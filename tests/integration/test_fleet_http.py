@@ -134,3 +134,22 @@ async def test_metrics_carry_the_model_and_the_fleet():
         health = await (await client.get("/health")).json()
         assert health["state"] == "ready" and health["models"]["coder"] == "loaded"
         assert health["tiers"]["coder"] is None and health["tiers"]["tiny"] == "deep"
+
+
+async def test_router_names_with_slashes_route_load_and_keep_their_own_directories(tmp_path):
+    """llama-server's router names models owner/name:QUANT; such an id is one directory name of its own."""
+    models = {"ggml-org/gemma:Q8_0": {}, "ggml-org/gemma:Q4_0": {"aliases": ["unsloth/gemma"]}, "ggml-org": {}}
+    async with fake_fleet(models, memory_budget=100 * GiB, state_dir=tmp_path) as (fleet, client):
+        for name, model_id in (("ggml-org/gemma:Q8_0", "ggml-org/gemma:Q8_0"), ("unsloth/gemma", "ggml-org/gemma:Q4_0"),
+                               ("ggml-org", "ggml-org")):
+            response = await complete(client, name)
+            assert response.status == 200 and (await response.json())["model"] == model_id, await response.text()
+        one = await client.get("/v1/models/ggml-org/gemma:Q4_0")
+        assert one.status == 200 and (await one.json())["id"] == "ggml-org/gemma:Q4_0"
+        assert (await client.get("/v1/models/ggml-org/gemma")).status == 404
+        unloaded = await client.post("/models/unload", json={"model": "ggml-org/gemma:Q8_0"})
+        assert unloaded.status == 200 and (await unloaded.json())["state"] == "sleeping"
+        assert (await client.get("/health", params={"model": "ggml-org/gemma:Q4_0"})).status == 200
+        dirs = {m.id: m.controller.kv_dir for m in fleet.models.values()}
+        assert dirs["ggml-org/gemma:Q8_0"] == tmp_path / "kv" / "ggml-org%2Fgemma:Q8_0"
+        assert len({d.parent for d in dirs.values()}) == 1  # none inside another's ("ggml-org"'s)

@@ -85,6 +85,10 @@ def test_haproxy_accepts_the_committed_cfg(tmp_path):
     {"replicas": ["gpu-1", "gpu-2", "gpu-3", "gpu-4", "gpu-5"], "default_model": "qwen2.5:7b",
      "models": {"llama-3.1_8b": {"aliases": ["gpt-4o"]}, "qwen2.5:7b": {"replicas": ["gpu-5", "gpu-4"]},
                 "nomic.embed": {"aliases": ["text-embedding-3-small", "embed"], "replicas": ["gpu-3"]}}},
+    # llama-server router's names (owner/name:QUANT), and an id that is one of them with '.' for '/'.
+    {"replicas": ["a", "b"], "default_model": "ggml-org/gemma-3-270m-GGUF:Q8_0",
+     "models": {"ggml-org/gemma-3-270m-GGUF:Q8_0": {"aliases": ["unsloth/gemma:Q4_K_M"]},
+                "ggml-org.gemma-3-270m-GGUF:Q8_0": {}, "a/b/c": {"replicas": ["b"]}}},
 ])
 def test_haproxy_accepts_other_descriptions(tmp_path, description):
     fleet = generate.parse_fleet(description)
@@ -131,6 +135,13 @@ def test_every_model_has_its_tiers_on_its_replicas_in_order():
             assert f'agent-send "{tier} {model.id}\\n"' in rest, (model.id, name)
             assert (" backup " in rest) == (tier in ("warm", "wake")), (model.id, name)
             assert tier in ROLES  # a role the daemon's agent answers
+
+
+def test_ids_with_slashes_get_names_haproxy_takes_and_no_two_ids_share_one():
+    ids = ["ggml-org/gemma:Q8_0", "ggml-org.gemma:Q8_0", "a/b", "a.b", "a/b/c", "a.b/c"]
+    parts = [generate.name_part(i) for i in ids]
+    assert len(set(parts)) == len(ids) and all(re.fullmatch(r"[A-Za-z0-9._:-]+", part) for part in parts)
+    assert generate.name_part("qwen2.5:7b") == "qwen2.5:7b"  # an id without '/' keeps its names
 
 
 def test_the_frontend_routes_every_name_and_refuses_the_others():
@@ -185,6 +196,9 @@ def test_models_start_on_different_replicas_unless_told():
     ({"replicas": ["r1", "r1"], "models": {"a": {}}}, "listed twice"),
     ({"replicas": ["r1"], "models": {}}, "at least one [models.ID]"),
     ({"replicas": ["r1"], "models": {"a b": {}}}, "models.a b: a model id"),
+    ({"replicas": ["r1"], "models": {"a//b": {}}}, "models.a//b: a model id"),
+    ({"replicas": ["r1"], "models": {"a/../b": {}}}, "models.a/../b: a model id"),
+    ({"replicas": ["r1"], "models": {"a/": {}}}, "models.a/: a model id"),
     ({"replicas": ["r1"], "models": {"a": {"path": "/m.gguf"}}}, "models.a: a table of"),
     ({"replicas": ["r1"], "models": {"a": {"aliases": ["x y"]}}}, "models.a.aliases"),
     ({"replicas": ["r1"], "models": {"a": {"aliases": ["b"]}, "b": {}}}, "the name 'b' is used by a too"),

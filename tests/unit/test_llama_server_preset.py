@@ -100,10 +100,13 @@ def test_an_unreadable_huge_or_binary_file_is_refused(tmp_path):
         translate(["--models-preset", str(tmp_path / "absent.ini")], {}, {})
 
 
-def test_an_id_the_fleet_cannot_take_is_refused_by_the_settings(tmp_path):
-    t = preset(tmp_path, "[ggml-org/gemma:Q8_0]\nmodel = /m/a.gguf\n")
-    with pytest.raises(ValueError, match="model id"):
-        Settings(**t.serve_settings())
+def test_router_names_are_ids_and_an_id_the_fleet_cannot_take_is_refused_by_the_settings(tmp_path):
+    t = preset(tmp_path, "[ggml-org/gemma:Q8_0]\nmodel = /m/a.gguf\n")  # llama-server router's naming
+    assert list(Settings(**t.serve_settings()).models) == ["ggml-org/gemma:Q8_0"]
+    for section in ("../gemma", "a b", "org//gemma", "org/"):
+        t = preset(tmp_path, f"[{section}]\nmodel = /m/a.gguf\n")
+        with pytest.raises(ValueError, match="model id"):
+            Settings(**t.serve_settings())
 
 
 def test_the_common_sections_options_are_read_together_and_an_alias_keeps_the_presets_models(tmp_path):
