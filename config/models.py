@@ -134,7 +134,7 @@ class ModelSettings(BaseModel):
     load_mode: Literal["auto", "mmap", "none", "mlock", "mmap+mlock", "direct_io"] | None = None
     spawn_ahead: bool | None = None
     embeddings: bool | None = None
-    pooling: Literal["mean", "cls", "last", "rank"] | None = None
+    pooling: Literal["none", "mean", "cls", "last", "rank"] | None = None
     cache_deterministic: bool | None = None
     cache_checkpoint_every: int | None = Field(None, ge=0, le=2**24)
 

@@ -83,7 +83,7 @@ class Settings(BaseSettings):
     cpu_repack: bool = Field(False, description="repacked CPU weights: batch-size-dependent kernels, so outputs depend on batching")
     warmup: bool = Field(True, description="one decode after a load at start or by POST /wake (a wake for a request skips it: the request warms up)")
     embeddings: bool = Field(False, description="serve /v1/embeddings from this model (a pooled context; it then generates no text)")
-    pooling: Literal["mean", "cls", "last", "rank"] = Field("mean", description="how an embeddings model pools its token vectors; rank: a reranker's classifier head scores query and document (/v1/rerank)")
+    pooling: Literal["none", "mean", "cls", "last", "rank"] = Field("mean", description="how an embeddings model pools its token vectors; rank: a reranker's classifier head scores query and document (/v1/rerank); none: one vector per token, answered by llama-server's /embeddings only (OpenAI's and Ollama's routes answer one vector per input)")
     llama_options: LlamaOptions = Field(
         default_factory=dict, description="llama.cpp's own tuning knobs by llama_context_params / llama_model_params "
         "field name (flash_attn_type, n_ubatch, type_k, rope_freq_base, split_mode, ...: config/llama_options.py), "

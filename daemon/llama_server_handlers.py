@@ -67,10 +67,7 @@ def n_predict(value: int) -> int:
 
 
 def pooling(text: str, spelling: str, out: Translation) -> None:
-    if text == "none":
-        raise LlamaServerArgsError(f"{spelling} none is not supported: Dormouse's embeddings are pooled "
-                                   "(mean, cls, last or rank)")
-    if text not in ("mean", "cls", "last", "rank"):
+    if text not in ("none", "mean", "cls", "last", "rank"):
         raise LlamaServerArgsError(f"{spelling}: expects none, mean, cls, last or rank, got {text[:40]!r}")
     out.settings["pooling"] = text
     out.origins["pooling"] = spelling

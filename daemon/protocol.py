@@ -69,7 +69,7 @@ class ModelSpec(msgspec.Struct, omit_defaults=True):
     prompt_cache_ram_bytes: int = 0  # the host-RAM tier of the prompt cache (worker/prompt_cache.py); 0: off
     slot_dir: str | None = None  # POST /slots/{id}?action=save|restore: the named files' directory; None: off
     embeddings: bool = False  # an embeddings model: a pooled context, no generation
-    pooling: str = "mean"  # mean, cls, last, or rank (a reranker's classifier head) (with embeddings)
+    pooling: str = "mean"  # none (a vector per token), mean, cls, last, or rank (a reranker's head) (with embeddings)
     cache_deterministic: bool = False  # True: reuse whole prompt chunks only, the same greedy answer as a fresh read
     # A model with sliding-window layers keeps checkpoints of its window (worker/kv_cache.take_checkpoint)
     # at each prompt's end, each turn boundary and every this many prompt tokens (at a chunk's end); 0: not every N.
@@ -387,6 +387,7 @@ class Answer(Message):
     pieces: list[bytes] = []  # tokenize with_pieces
     text: str = ""  # detokenize, apply_template
     embeddings: list[list[float]] = []  # embed, in input order, normalized; rerank: each document's classifier outputs (the first is its score)
+    token_embeddings: list[list[list[float]]] = []  # embed with pooling none: per input, each token's vector, as computed
     prompt_tokens: int = 0  # embed: tokens read; count_chat: tokens the chat prompt takes
     error: str | None = None
     error_code: str | None = None

@@ -129,6 +129,14 @@ def model_for(request: web.Request, name: str | None) -> FleetModel:
         raise ApiError(404, exc.message, "model_not_found", param="model") from None
 
 
+def check_one_vector_per_input(model: FleetModel, route: str) -> None:
+    """A route that answers one vector per input cannot serve a model with pooling none (a vector per token)."""
+    if model.controller.settings.pooling == "none":
+        raise ApiError(400, f"model {model.id!r} has pooling = \"none\" (a vector per token); {route} answers one "
+                            "vector per input: POST /embeddings answers every token's, as llama-server does",
+                       "pooling_none", param="model")
+
+
 async def model_param(request: web.Request, required: bool = False) -> FleetModel | None:
     """The model an admin call names: `?model=ID`, or `{"model": ID}` in the body."""
     name = request.query.get("model")

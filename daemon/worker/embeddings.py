@@ -25,6 +25,24 @@ RERANK_TEMPLATE_KEY = "tokenizer.chat_template.rerank"  # what llama_model_chat_
 def pooled(ctx: ctypes.c_void_p, batch, limit: int, n_out: int, tokens: list[int]) -> list[float]:
     """The `n_out` pooled floats of one tokenized input of at most `limit`
     tokens (the batch size, and the context of one sequence)."""
+    return _decoded(ctx, batch, limit, tokens, lambda: _floats(llama.llama_get_embeddings_seq(ctx, 0), n_out))
+
+
+def per_token(ctx: ctypes.c_void_p, batch, limit: int, n_embd: int, tokens: list[int]) -> list[list[float]]:
+    """Each token's vector of one tokenized input, as the model computed it (pooling none: nothing pooled,
+    nothing normalized, as llama-server answers it)."""
+    return _decoded(ctx, batch, limit, tokens,
+                    lambda: [_floats(llama.llama_get_embeddings_ith(ctx, i), n_embd) for i in range(len(tokens))])
+
+
+def _floats(pointer, n: int) -> list[float]:
+    if not pointer:
+        raise RequestError("the context returned no embedding", "decode_failed")
+    return [float(pointer[i]) for i in range(n)]
+
+
+def _decoded(ctx: ctypes.c_void_p, batch, limit: int, tokens: list[int], read):
+    """read() after one decode of the input on sequence 0 (its cache cleared before and after)."""
     if not tokens:
         raise RequestError("it is empty")
     if len(tokens) > limit:
@@ -43,10 +61,7 @@ def pooled(ctx: ctypes.c_void_p, batch, limit: int, n_out: int, tokens: list[int
         rc = llama.llama_decode(ctx, batch)
         if rc != 0:
             raise RequestError(f"llama_decode failed ({rc}) on an embeddings input", "decode_failed")
-        pointer = llama.llama_get_embeddings_seq(ctx, 0)
-        if not pointer:
-            raise RequestError("the context returned no pooled embedding", "decode_failed")
-        return [float(pointer[i]) for i in range(n_out)]
+        return read()
     finally:
         llama.llama_memory_seq_rm(memory, 0, -1, -1)
 

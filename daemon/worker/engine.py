@@ -39,7 +39,7 @@ class EmbeddingWork:
     """An embeddings request in progress: one vector per input, in order."""
 
     msg: p.Query
-    vectors: list[list[float]] = field(default_factory=list)
+    vectors: list = field(default_factory=list)  # a vector per input (pooling none: a vector per token of each)
     read: int = 0  # tokens
 
 
@@ -213,7 +213,7 @@ class Engine(PromptText, SlotAssignment):
 
     def _embed_next(self) -> None:
         """Embed (or score, for rerank) the next input of the oldest embeddings request; answer it after its last."""
-        from daemon.worker.embeddings import RERANK_TEMPLATE_KEY, embed, input_tokens, pooled, rerank_tokens
+        from daemon.worker.embeddings import RERANK_TEMPLATE_KEY, embed, input_tokens, per_token, pooled, rerank_tokens
 
         work = self.embedding_work[0]
         item = work.msg.inputs[len(work.vectors)]
@@ -234,7 +234,10 @@ class Engine(PromptText, SlotAssignment):
                 else:
                     self._check_vocab(item)
                     tokens = list(item)
-                vector = embed(self.ctx, self.batch, limit, self.n_embd, tokens)
+                if self.rt.spec.pooling == "none":
+                    vector = per_token(self.ctx, self.batch, limit, self.n_embd, tokens)
+                else:
+                    vector = embed(self.ctx, self.batch, limit, self.n_embd, tokens)
             work.vectors.append(vector)
             work.read += len(tokens)
         except RequestError as exc:
@@ -245,7 +248,10 @@ class Engine(PromptText, SlotAssignment):
             return
         if len(work.vectors) == len(work.msg.inputs):
             self.embedding_work.popleft()
-            self.emit(p.Answer(work.msg.request_id, embeddings=work.vectors, prompt_tokens=work.read))
+            if self.rt.spec.pooling == "none" and work.msg.kind == "embed":
+                self.emit(p.Answer(work.msg.request_id, token_embeddings=work.vectors, prompt_tokens=work.read))
+            else:
+                self.emit(p.Answer(work.msg.request_id, embeddings=work.vectors, prompt_tokens=work.read))
 
     @property
     def busy(self) -> bool:

@@ -24,7 +24,7 @@ from daemon.worker.llama_lib import llama, mtmd
 from daemon.worker.memory import BufferLedger
 
 TEARDOWN_ORDER = ("draft_context", "draft_model", "context", "model", "mmproj", "backend")
-POOLING = {"mean": 1, "cls": 2, "last": 3, "rank": 4}  # llama_pooling_type; rank: a reranker's classifier head
+POOLING = {"none": 0, "mean": 1, "cls": 2, "last": 3, "rank": 4}  # llama_pooling_type; rank: a reranker's head
 # llama.cpp's llama_load_mode: how the weights are read (auto: mmap where every device supports it).
 LOAD_MODES = {"auto": -1, "none": 0, "mmap": 1, "mlock": 2, "mmap+mlock": 3, "direct_io": 4}
 

@@ -299,8 +299,8 @@ def test_dormouse_serve_flags_pass_through_untouched():
     (["-s", "-2"], "out of range"),
     (["-s", str(2**32)], "out of range"),
     (["-cram", "-1"], "no limit"),
-    (["--pooling", "none"], "--pooling none is not supported"),
     (["--pooling", "max"], "expects none, mean"),
+    (["--pooling", "NONE"], "expects none, mean"),
     (["--host", "/run/llama.sock"], "unix socket"),
     (["-a", " , "], "one or more names"),
     (["--warmup=yes"], "takes no value"),
@@ -463,6 +463,8 @@ def test_older_llama_server_spellings_of_the_load_mode(argv, environ, load_mode)
     ("--port 9002 -m /m/e.gguf --embeddings --pooling mean -ub 8192 -b 8192 -np 2",
      {"port": 9002, "model": "/m/e.gguf", "embeddings": True, "pooling": "mean", "batch_size": 8192, "parallel": 2},
      {}),
+    # llama.cpp's test suite: per-token vectors (pooling none)
+    ("-m /m/e.gguf --embeddings --pooling none", {"model": "/m/e.gguf", "embeddings": True, "pooling": "none"}, {}),
     ("--port 9003 -m /m/q.gguf -c 32768 -fa on -ctk q8_0 -ctv q8_0 --temp 0.6 --top-k 20",
      None, None),  # --top-k: no server-wide sampling default other than -n, -s, --temp
 ])

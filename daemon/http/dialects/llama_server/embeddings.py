@@ -1,5 +1,8 @@
 """OpenAI's /v1/embeddings (and llama-server's unversioned /embeddings), with llama-server's inputs.
 
+A model with pooling none has a vector per token: /embeddings answers them as llama-server does
+([{"index", "embedding": [[...], ...]}]); /v1/embeddings, which answers one vector per input, refuses it.
+
 Besides OpenAI's strings and token ids, llama-server reads token ids with texts between them as one
 prompt ([12, 34, "text", 56]) and objects ({"prompt_string": ...}, {"content": [text parts]}): the
 schema (schemas.embedding_prompts) turns every form into texts and token lists; a mixed prompt's texts
@@ -18,7 +21,7 @@ from daemon.http.core.run import run_query
 from daemon.http.dialects.llama_server.mixed_prompt import is_mixed, mixed_tokens
 from daemon.http.dialects.llama_server.schemas import EmbeddingsRequest
 from daemon.http.errors import ApiError
-from daemon.http.keys import model_for
+from daemon.http.keys import check_one_vector_per_input, model_for
 
 TOO_LARGE = "context_length_exceeded"
 
@@ -40,6 +43,9 @@ async def embeddings(request: web.Request) -> web.Response:
         raise ApiError(400, f"model {model.id!r} has no embeddings: set embeddings = true in its [models.{model.id}] "
                             "table (or start with --embeddings), or name an embeddings model", "embeddings_not_enabled",
                        param="model")
+    per_token = model.controller.settings.pooling == "none"
+    if per_token and request.path != "/embeddings":
+        check_one_vector_per_input(model, request.path)
     job = model.controller.new_query("embeddings", "embed", inputs=await _resolved(request, model, body.inputs()))
     try:
         answer = await run_query(request, model, job)
@@ -49,6 +55,8 @@ async def embeddings(request: web.Request) -> web.Response:
         # llama-server's words, which its clients match on ("input is too large to process").
         raise ApiError(exc.status, f"{exc.message}; the input is too large to process: give a larger batch_size "
                                    "(-b), within ctx_size / parallel", exc.code, exc.param) from None
+    if per_token:  # llama-server's own answer: each input's every token, not pooled, not normalized
+        return web.json_response([{"index": i, "embedding": vectors} for i, vectors in enumerate(answer.token_embeddings)])
     data = []
     for i, vector in enumerate(answer.embeddings):
         if body.encoding_format == "base64":  # as OpenAI's: little-endian float32

@@ -47,7 +47,7 @@ from daemon.http.dialects.ollama import models as ollama_models
 from daemon.http.dialects.ollama import pull as ollama_pull
 from daemon.http.dialects.ollama.models import ollama_model, slot_context
 from daemon.http.errors import ApiError
-from daemon.http.keys import FLEET, require_privilege
+from daemon.http.keys import FLEET, check_one_vector_per_input, require_privilege
 from daemon.http.core.run import run_query
 from daemon.http.dialects.ollama.answer import ChatLines, GenerateLines, answer, check_dimensions, embed_body, load_answer
 from daemon.http.core.job import chat_inputs, generation_model, parse_body, structured_grammar, tool_mode
@@ -495,6 +495,7 @@ def _embeddings_model(request: web.Request, name: str | None, options: dict[str,
         raise ApiError(400, f"model {model.id!r} has no embeddings: set embeddings = true in its [models.{model.id}] "
                             "table (or start with --embeddings), or name an embeddings model", "embeddings_not_enabled",
                        param="model")
+    check_one_vector_per_input(model, request.path)
     OllamaOptions.check_names(options or {}, sampling=False)
     for option, value in (options or {}).items():
         if value is not None and option != "num_ctx":  # num_predict: nothing is predicted
