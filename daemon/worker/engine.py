@@ -43,6 +43,11 @@ class EmbeddingWork:
     read: int = 0  # tokens
 
 
+# pooling none: the most numbers one embeddings answer carries (every token's vector of every input), so
+# that it stays well inside a worker message (protocol.MAX_MESSAGE_BYTES: 9 bytes a number, ~36 MB here).
+MAX_TOKEN_VECTOR_FLOATS = 4_000_000
+
+
 @dataclass
 class DecodeCounts:
     """The engine's decodes since its last report (llama-server's n_decode_total, n_busy_slots_per_decode,
@@ -189,6 +194,8 @@ class Engine(PromptText, SlotAssignment):
             return
         try:
             self._check_pooling(msg)
+            if self.rt.spec.pooling == "none" and msg.kind == "embed":
+                self._check_token_vectors(msg)
         except RequestError as exc:
             self.emit(p.Answer(msg.request_id, error=str(exc), error_code=exc.code))
             return
@@ -196,6 +203,34 @@ class Engine(PromptText, SlotAssignment):
             self.emit(p.Answer(msg.request_id))
             return
         self.embedding_work.append(EmbeddingWork(msg))
+
+    def _check_token_vectors(self, msg: p.Query) -> None:
+        """pooling none: the whole answer's numbers, counted before anything is decoded (tokenizing is
+        cheap and bounded by the batch), so that a request past the bound costs no decode at all."""
+        limit = self._embedding_limit()
+        tokens = 0
+        for item in msg.inputs:
+            if isinstance(item, str):
+                try:
+                    tokens += len(self.prompt_tokens_within(item, limit, what="it"))
+                except RequestError:
+                    tokens += limit  # past the batch: refused (or cut to it) when its turn comes
+            else:
+                tokens += min(len(item), limit)
+        self._refuse_past_vector_bound(tokens * self.n_embd)
+
+    @staticmethod
+    def _refuse_past_vector_bound(floats: int) -> None:
+        if floats > MAX_TOKEN_VECTOR_FLOATS:  # the answer is one message to the daemon: bounded
+            raise RequestError(f"the token vectors of these inputs would be {floats} numbers, more than the "
+                               f"{MAX_TOKEN_VECTOR_FLOATS} one answer carries: send fewer or shorter inputs",
+                               "invalid_request")
+
+    def _embedding_limit(self) -> int:
+        # One decode, within one sequence's context. llama.cpp caps its batch at the requested n_ctx (before
+        # padding the context up): with ctx_size 128 a 256-token slot still decodes at most 128 at once, and
+        # a longer decode aborts the worker (GGML_ASSERT n_tokens_all <= n_batch).
+        return min(self.n_batch, llama.llama_n_batch(self.ctx), llama.llama_n_ubatch(self.ctx), self.n_ctx_slot)
 
     def _check_pooling(self, msg: p.Query) -> None:
         """A reranker (pooling = rank) answers rerank only, any other embeddings model embed only."""
@@ -217,10 +252,7 @@ class Engine(PromptText, SlotAssignment):
 
         work = self.embedding_work[0]
         item = work.msg.inputs[len(work.vectors)]
-        # One decode, within one sequence's context. llama.cpp caps its batch at the requested n_ctx (before
-        # padding the context up): with ctx_size 128 a 256-token slot still decodes at most 128 at once, and
-        # a longer decode aborts the worker (GGML_ASSERT n_tokens_all <= n_batch).
-        limit = min(self.n_batch, llama.llama_n_batch(self.ctx), llama.llama_n_ubatch(self.ctx), self.n_ctx_slot)
+        limit = self._embedding_limit()
         try:
             if work.msg.kind == "rerank":  # the query and this document, scored by the classifier head
                 if not isinstance(item, str):
@@ -235,6 +267,7 @@ class Engine(PromptText, SlotAssignment):
                     self._check_vocab(item)
                     tokens = list(item)
                 if self.rt.spec.pooling == "none":
+                    self._refuse_past_vector_bound((work.read + len(tokens)) * self.n_embd)  # counted before too
                     vector = per_token(self.ctx, self.batch, limit, self.n_embd, tokens)
                 else:
                     vector = embed(self.ctx, self.batch, limit, self.n_embd, tokens)

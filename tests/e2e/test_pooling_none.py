@@ -36,6 +36,10 @@ def test_per_token_vectors_and_their_mean_is_the_pooled_embedding(tmp_path, bund
         n_embd = len(vectors[0])
         assert n_embd > 64 and all(len(v) == n_embd for v in vectors)
         assert any(abs(norm(v) - 1) > 1e-3 for v in vectors)  # as computed, not normalized
+        # One answer carries at most 4M numbers (a worker message): 20 inputs of ~400 tokens of 640 are more.
+        huge = none.http.post("/embeddings", json={"input": ["word " * 400] * 20})
+        assert huge.status_code == 400 and "numbers" in huge.json()["error"]["message"], huge.text[:300]
+        assert none.http.post("/embeddings", json={"input": "hi"}).status_code == 200  # the worker lives on
         for path, body in (("/v1/embeddings", {"input": TEXT}), ("/api/embed", {"model": "x", "input": TEXT}),
                            ("/api/embeddings", {"model": "x", "prompt": TEXT})):
             refused = none.http.post(path, json=body)
