@@ -153,13 +153,13 @@ class Settings(BaseSettings):
     slots_endpoint: bool = Field(True, description="false: GET /slots answers 501, as llama-server's --no-slots "
                                  "(/props and the status page still show the slots)")
     predict_route: str | None = Field(
-        None, pattern=r"^/[A-Za-z0-9._~/-]{0,255}$",
+        None, pattern=r"^/[A-Za-z0-9._~/:@-]{0,255}$",
         description="Vertex AI's prediction route (a custom container's AIP_PREDICT_ROUTE; AIP_MODE=PREDICTION sets it, "
                     "/predict by default): a POST of {\"instances\": [...]} runs each instance as the request its "
                     "@requestFormat names (chatCompletions, completion, embeddings...) and answers {\"predictions\": "
                     "[...]}; none: not served")
     predict_health_route: str | None = Field(
-        None, pattern=r"^/[A-Za-z0-9._~/-]{0,255}$",
+        None, pattern=r"^/[A-Za-z0-9._~/:@-]{0,255}$",
         description="another path /health answers on (Vertex AI's AIP_HEALTH_ROUTE), under the same metrics_key")
     verbose_answers: bool = Field(
         False, description="every whole answer of /v1/chat/completions carries llama-server's `__verbose` object (the "

@@ -165,12 +165,24 @@ def _finish(out: Translation) -> None:
     """What needs the whole command line: -c 0 reads the model's context; -ub with embeddings."""
     if out.context_from_model:
         out.settings["ctx_size"] = _trained_context(out.settings.get("model"), out.origins.get("ctx_size", "-c"))
+    _check_speculation(out)
     if out.settings.get("embeddings") and "n_ubatch" in out.llama_options:
         _fold_ubatch_into_batch(out)
     try:
         out.llama_options = check_llama_options(out.llama_options)
     except ValueError as exc:  # the table passes only what the check allows: this is a bug, said plainly
         raise LlamaServerArgsError(f"llama_options: {exc}") from None
+
+
+def _check_speculation(out: Translation) -> None:
+    """--spec-type against -md, whatever their order: draft-simple needs a draft model (llama-server fails
+    without one); none speculates with none, so a draft model beside it is not loaded."""
+    spelling = out.origins.pop("speculation", "--spec-type")
+    if out.speculation == "draft-simple" and not out.settings.get("model_draft"):
+        raise LlamaServerArgsError(f"{spelling} draft-simple needs a draft model: give -md PATH")
+    if out.speculation == "none" and out.settings.get("model_draft"):
+        out.settings.pop("model_draft")
+        out.notes.append(f"{spelling} none: the draft model ({out.origins.pop('model_draft', '-md')}) is not loaded")
 
 
 def _fold_ubatch_into_batch(out: Translation) -> None:

@@ -36,6 +36,7 @@ class Translation:
     rest: list[str] = field(default_factory=list)  # Dormouse's own arguments, untouched, for its argparse
     origins: dict[str, str] = field(default_factory=dict)  # setting or llama option -> the spelling that set it
     context_from_model: bool = False  # -c 0: the model's trained context, read from its GGUF once -m is known
+    speculation: str | None = None  # --spec-type: "none" or "draft-simple", checked against -md at the end
 
     def serve_settings(self) -> dict[str, Any]:
         """The settings to layer over the config file: the mapped ones and llama_options."""

@@ -107,15 +107,19 @@ def _reasoning_budget(value: int, spelling: str, out: Any) -> None:
 
 def _spec_type(text: str, spelling: str, out: Any) -> None:
     """llama-server's speculation types: draft-simple (a draft model proposes, the model verifies) is what
-    Dormouse does with -md; the n-gram, lookup and model-specific heads are not implemented."""
+    Dormouse does with -md, none is no speculation (a -md beside it is not used); the n-gram, lookup and
+    model-specific heads are not implemented. Checked against -md once the whole line is read."""
     types = comma_list(text)
-    others = [name for name in types if name != "draft-simple"]
+    others = [name for name in types if name not in ("none", "draft-simple")]
     if not types or others:
         raise LlamaServerArgsError(f"{spelling} {(others or [text])[0][:40]!r} is not supported: Dormouse's "
-                                   "speculation is draft-simple, with a draft model (-md); the n-gram, lookup and model-specific types are not "
-                                   "implemented (for none, leave out -md: nothing is drafted without it)")
-    out.notes.append(f"{spelling}: accepted; draft-simple: Dormouse drafts with the draft model (-md), as draft-simple "
-                     "does")
+                                   "speculation is draft-simple, with a draft model (-md); the n-gram, lookup and "
+                                   "model-specific types are not implemented")
+    out.speculation = "draft-simple" if "draft-simple" in types else "none"
+    out.origins["speculation"] = spelling
+    out.notes.append(f"{spelling}: accepted; {out.speculation}: " + (
+        "Dormouse drafts with the draft model (-md), as draft-simple does" if out.speculation == "draft-simple"
+        else "no speculation"))
 
 
 OPTIONS: tuple[Option, ...] = (
@@ -455,8 +459,9 @@ OPTIONS: tuple[Option, ...] = (
         refused("the draft model is offloaded as the main model is (-ngl)")),
     opt("--spec-draft-model -md --model-draft", "LLAMA_ARG_SPEC_DRAFT_MODEL", "string", setting("model_draft")),
     opt("--spec-type", "LLAMA_ARG_SPEC_TYPE", "string", custom(
-        "accepted", "draft-simple accepted (Dormouse drafts with the draft model, -md); the n-gram, lookup and "
-                    "model-specific types (and none: leave out -md) refused", _spec_type)),
+        "accepted", "draft-simple accepted (Dormouse drafts with the draft model, -md, which it needs), none "
+                    "accepted (a -md beside it is not used); the n-gram, lookup and model-specific types refused",
+        _spec_type)),
     *(opt(spelling, None, "int", refused(NGRAM)) for spelling in (
         "--spec-ngram-mod-n-min", "--spec-ngram-mod-n-max", "--spec-ngram-mod-n-match", "--spec-ngram-simple-size-n",
         "--spec-ngram-simple-size-m", "--spec-ngram-simple-min-hits", "--spec-ngram-map-k-size-n",

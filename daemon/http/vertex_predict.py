@@ -9,10 +9,12 @@ instance is that route's body. llama-server answers the same way (its GCP compat
 Each instance is sent to this daemon again as the HTTP request it names, over the socket the prediction
 came in on, with the prediction's key and Host: so it is checked, queued, logged and answered exactly as
 that request would be (an instance cannot reach a route its key does not open), and the route decides
-nothing it would not decide for a direct call. Instances run concurrently (the slots queue them) and
-never stream. Each answer goes into `predictions` in the instance's place, errors included, as
-llama-server does; the prediction itself is a 200 unless its own body is wrong. A client that goes away
-cancels the prediction, which closes the instances' connections and so cancels them.
+nothing it would not decide for a direct call. Instances run a few at a time (CONCURRENT_INSTANCES: a
+prediction alone never fills the queue) and never stream. Each answer goes into `predictions` in the
+instance's place, its bytes as they came (nothing parsed twice), errors included, as llama-server
+does; an instance that could not be run at all is an error in its place, the others go on. The
+prediction itself is a 200 unless its own body is wrong. A client that goes away cancels the
+prediction, which closes the instances' connections and so cancels them.
 """
 
 from __future__ import annotations
@@ -23,12 +25,14 @@ import re
 from typing import Any, AsyncIterator
 
 import aiohttp
+import msgspec
 from aiohttp import web
 
 from daemon.http.errors import ApiError
 from daemon.http.keys import SETTINGS
 
 MAX_INSTANCES = 128  # llama-server's bound
+CONCURRENT_INSTANCES = 8  # at once per prediction; the rest wait their turn
 PREDICT_SESSION = web.AppKey("predict_session", aiohttp.ClientSession)
 ROUTES_BY_FORMAT = web.AppKey("predict_routes_by_format", dict)
 # Forwarded to the instance's request: who calls (the key) and how they named this daemon (the Host check).
@@ -61,18 +65,12 @@ def routes_by_format(app: web.Application, predict_route: str) -> dict[str, str]
     return out
 
 
-def _error(message: str, status: int = 400) -> dict:
-    return ApiError(status, message, "invalid_value").body()
+def _error(message: str, status: int = 400) -> bytes:
+    return msgspec.json.encode(ApiError(status, message, "invalid_value").body())
 
 
-def _answer_body(raw: bytes) -> Any:
-    try:
-        return json.loads(raw) if raw else None
-    except ValueError:
-        return raw.decode("utf-8", errors="replace")
-
-
-async def _run_instance(request: web.Request, base: str, instance: Any) -> Any:
+async def _run_instance(request: web.Request, base: str, instance: Any, turn: asyncio.Semaphore) -> bytes:
+    """The instance's answer as JSON bytes, spliced into the predictions as they are (never parsed again)."""
     if not isinstance(instance, dict):
         return _error("each instance must be a JSON object")
     request_format = instance.get("@requestFormat")
@@ -83,23 +81,31 @@ async def _run_instance(request: web.Request, base: str, instance: Any) -> Any:
         return _error(f"no route for @requestFormat {request_format[:80]!r}: a route's camelCase name "
                       "(chatCompletions, completion, embeddings...) or its path")
     payload = {key: value for key, value in instance.items() if key != "@requestFormat"}
-    if "stream" in payload:
+    if "stream" in payload or path.startswith("/api/"):  # Ollama's routes stream unless told not to
         payload["stream"] = False  # a prediction is one JSON answer
     headers = {name: request.headers[name] for name in FORWARDED if name in request.headers}
     headers["Content-Type"] = "application/json"
-    async with request.app[PREDICT_SESSION].post(base + path, data=json.dumps(payload), headers=headers) as answer:
-        return _answer_body(await answer.read())
+    try:
+        async with turn, request.app[PREDICT_SESSION].post(base + path, data=msgspec.json.encode(payload),
+                                                           headers=headers) as answer:
+            raw = await answer.read()
+            if answer.content_type == "application/json" and raw:
+                return raw
+            return msgspec.json.encode(raw.decode("utf-8", errors="replace") if raw else None)
+    except (aiohttp.ClientError, OSError, ValueError) as exc:  # this instance's failure, not the others'
+        return msgspec.json.encode(ApiError(502, f"the instance could not be run: {type(exc).__name__}",
+                                            "instance_failed").body())
 
 
 def _base_url(request: web.Request) -> str:
-    """This daemon, at the socket the prediction reached."""
+    """This daemon, at the socket the prediction reached (an accepted socket's address is never a wildcard)."""
     sockname = request.transport.get_extra_info("sockname") if request.transport is not None else None
     if not isinstance(sockname, tuple) or len(sockname) < 2:
         raise ApiError(501, "the prediction route is served on TCP sockets only", "not_supported")
-    host = str(sockname[0]).partition("%")[0]
-    if host in ("0.0.0.0", "::"):
-        host = "127.0.0.1" if host == "0.0.0.0" else "::1"
-    return f"http://[{host}]:{sockname[1]}" if ":" in host else f"http://{host}:{sockname[1]}"
+    host = str(sockname[0])
+    if ":" in host:  # IPv6, its zone kept for a link-local address (%25 in a URL)
+        return f"http://[{host.replace('%', '%25')}]:{sockname[1]}"
+    return f"http://{host}:{sockname[1]}"
 
 
 async def predict(request: web.Request) -> web.Response:
@@ -116,8 +122,10 @@ async def predict(request: web.Request) -> web.Response:
         raise ApiError(400, f"instances: at most {MAX_INSTANCES} in one prediction, got {len(instances)}",
                        "invalid_value", "instances")
     base = _base_url(request)
-    predictions = await asyncio.gather(*(_run_instance(request, base, instance) for instance in instances))
-    return web.json_response({"predictions": list(predictions)})
+    # A few at a time: a prediction of 128 instances must not fill the queue (max_queued) alone.
+    turn = asyncio.Semaphore(CONCURRENT_INSTANCES)
+    answers = await asyncio.gather(*(_run_instance(request, base, instance, turn) for instance in instances))
+    return web.Response(body=b'{"predictions":[' + b",".join(answers) + b"]}", content_type="application/json")
 
 
 async def _session(app: web.Application) -> AsyncIterator[None]:
@@ -128,22 +136,27 @@ async def _session(app: web.Application) -> AsyncIterator[None]:
         yield
 
 
-def _route_taken(app: web.Application, path: str, method: str) -> bool:
-    return any(route.method in (method, "*") and route.resource is not None
-               and route.resource.get_info().get("path") == path for route in app.router.routes())
+HEALTH_PATHS = ("/health", "/v1/health")  # already /health: a health route naming one adds nothing
+
+
+def _route_taken(app: web.Application, path: str) -> bool:
+    """Whether Dormouse serves `path` already, by any method (the keys a route needs go by its path)."""
+    return any(route.resource is not None and route.resource.get_info().get("path") == path
+               for route in app.router.routes())
 
 
 def add_routes(app: web.Application) -> None:
     """After every other route: the formats are the routes there are."""
     settings = app[SETTINGS]
-    if settings.predict_health_route:
-        if _route_taken(app, settings.predict_health_route, "GET"):
-            raise RouteTaken(f"predict_health_route {settings.predict_health_route} is already a route of Dormouse")
+    health_route = settings.predict_health_route
+    if health_route and health_route not in HEALTH_PATHS:
+        if _route_taken(app, health_route):
+            raise RouteTaken(f"predict_health_route {health_route} is already a route of Dormouse")
         health = next(route.handler for route in app.router.routes()
                       if route.method == "GET" and route.resource.get_info().get("path") == "/health")
-        app.router.add_get(settings.predict_health_route, health)
+        app.router.add_get(health_route, health)
     if settings.predict_route:
-        if _route_taken(app, settings.predict_route, "POST"):
+        if _route_taken(app, settings.predict_route):
             raise RouteTaken(f"predict_route {settings.predict_route} is already a route of Dormouse")
         app[ROUTES_BY_FORMAT] = routes_by_format(app, settings.predict_route)
         app.cleanup_ctx.append(_session)

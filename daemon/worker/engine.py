@@ -347,7 +347,9 @@ class Engine(PromptText, SlotAssignment, EmbeddingQueue):
             job.first_token_at = now
         job.n_generated += 1
         end = llama.llama_vocab_is_eog(self.vocab, token) or token in job.end_tokens
-        if end and not job.params.ignore_eos:
+        # ignore_eos: the sampler never draws an end-of-generation token, but under a grammar, which alone
+        # says when the answer is whole (and then allows nothing else), the end it allows is the end.
+        if end and (not job.params.ignore_eos or job.params.grammar is not None):
             job.n_generated -= 1  # the end-of-generation token is not part of the answer
             self._finish(slot, "stop")
             return None

@@ -90,9 +90,11 @@ class SamplerChain:
         """grammar_of: another request's chain whose grammar has accepted
         nothing yet (the first choice, at the fork of n choices): its matcher
         copied rather than compiled again. eog: the model's end-of-generation
-        tokens, which ignore_eos never draws (llama-server biases them to -inf)."""
+        tokens, which ignore_eos never draws (llama-server biases them to -inf), unless a grammar
+        constrains the answer: its end is the grammar's to say, which an end token banned would turn into
+        an error after the whole answer."""
         logit_bias = resolved_logit_bias(params, n_vocab, vocab)
-        if params.ignore_eos and eog:
+        if params.ignore_eos and eog and params.grammar is None:  # a grammar says itself when the answer ends
             logit_bias = {**logit_bias, **dict.fromkeys(eog, -math.inf)}
         self.n_vocab = n_vocab
         self.top_logprobs = params.logprobs

@@ -156,3 +156,11 @@ def test_the_end_of_generation_tokens_are_llama_cpps_whole_set(bundled_model):
         assert end_of_generation_tokens(v, single_tokens) == walked and len(walked) >= 2
     finally:
         vocab.close()
+
+
+def test_ignore_eos_leaves_a_grammars_end_to_the_grammar(daemon):
+    """A grammar says when the answer is whole; ignore_eos then banning the end would end it in an error."""
+    body = {"prompt": PROMPT, "n_predict": 10, "grammar": 'root ::= "a" "a" "a"'}
+    plain, kept = post(daemon, "/completion", **body), post(daemon, "/completion", **body, ignore_eos=True)
+    assert kept["content"] == plain["content"] == "aaa" and kept["stop_type"] == plain["stop_type"]
+    assert kept["generation_settings"]["logit_bias"] == []  # nothing banned: the grammar decides

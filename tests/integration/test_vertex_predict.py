@@ -6,6 +6,7 @@ a prediction that it does not open directly; the route cannot reach itself."""
 
 from __future__ import annotations
 
+import aiohttp
 import pytest
 
 from config import Settings
@@ -92,17 +93,59 @@ async def test_off_by_default():
         assert (await client.post("/predict", json={"instances": [CHAT]})).status == 404
 
 
-@pytest.mark.parametrize("route", ["/v1/chat/completions", "/completion"])
-async def test_a_route_dormouse_serves_cannot_be_the_prediction_route(route):
+@pytest.mark.parametrize("route", ["/v1/chat/completions", "/completion", "/props", "/sleep"])
+async def test_a_route_dormouse_serves_cannot_be_the_prediction_route_nor_the_health_route(route):
+    """By any method: the keys a route needs go by its path (a GET alias of /health on POST
+    /v1/chat/completions would open chat to the metrics key)."""
     with pytest.raises(RouteTaken, match="already a route"):
         async with daemon(predict_route=route):
             pass
     with pytest.raises(RouteTaken, match="already a route"):
-        async with daemon(predict_health_route="/health"):
+        async with daemon(predict_health_route=route):
             pass
 
 
-@pytest.mark.parametrize("route", ["predict", "/a b", "/" + "x" * 300, "/é"])
+async def test_vertex_ais_own_routes_are_served_and_a_health_route_of_health_adds_nothing():
+    route = "/v1/endpoints/123/deployedModels/456:predict"  # Vertex AI's default AIP_PREDICT_ROUTE
+    async with daemon(predict_route=route, predict_health_route="/health") as (_, client):
+        r = await client.post(route, json={"instances": [CHAT]})
+        assert r.status == 200 and (await r.json())["predictions"][0]["object"] == "chat.completion"
+        assert (await client.get("/health")).status == 200
+
+
+async def test_ollamas_routes_answer_one_body_and_a_failed_instance_leaves_the_others(monkeypatch):
+    async with daemon(predict_route="/predict") as (_, client):
+        ollama = {"@requestFormat": "apiChat", "model": "fake", "messages": [{"role": "user", "content": "hi"}],
+                  "options": {"num_predict": 3}}  # Ollama streams unless told not to
+        r = await client.post("/predict", json={"instances": [ollama, CHAT]})
+        chat_ollama, chat = (await r.json())["predictions"]
+        assert chat_ollama["done"] is True and chat_ollama["message"]["role"] == "assistant"
+        assert chat["object"] == "chat.completion"
+        # an instance whose connection breaks (the daemon's socket, a forwarded header) fails in its place alone
+        post = aiohttp.ClientSession.post
+
+        def breaking(session, url, **kwargs):
+            if str(url).endswith("/tokenize"):
+                raise aiohttp.ServerDisconnectedError()
+            return post(session, url, **kwargs)
+
+        monkeypatch.setattr(aiohttp.ClientSession, "post", breaking)
+        r = await client.post("/predict", json={"instances": [{"@requestFormat": "tokenize", "content": "x"}, CHAT, 5]})
+        failed, chat, wrong = (await r.json())["predictions"]
+        assert r.status == 200 and failed["error"]["code"] == "instance_failed"
+        assert chat["object"] == "chat.completion" and "JSON object" in wrong["error"]["message"]
+
+
+async def test_answers_are_spliced_as_they_came_non_ascii_included():
+    async with daemon(predict_route="/predict") as (_, client):
+        text = "日本語のテキスト" * 50
+        r = await client.post("/predict", json={"instances": [{"@requestFormat": "tokenize", "content": text},
+                                                              {"@requestFormat": "detokenize", "tokens": [1, 2]}]})
+        tokenized, detokenized = (await r.json())["predictions"]
+        assert isinstance(tokenized["tokens"], list) and isinstance(detokenized["content"], str)
+
+
+@pytest.mark.parametrize("route", ["predict", "/a b", "/" + "x" * 300, "/é", "/a?b", "/a#b"])
 def test_a_route_that_is_no_path_is_a_config_error(route):
     with pytest.raises(ValueError, match="predict_route"):
         Settings(predict_route=route)
@@ -112,9 +155,10 @@ def test_vertex_ais_variables():
     assert vertex_settings({}) == ({}, [])
     assert vertex_settings({"AIP_MODE": "TRAINING", "AIP_HTTP_PORT": "1"}) == ({}, [])
     settings, notes = vertex_settings({"AIP_MODE": "PREDICTION", "AIP_HTTP_PORT": "9000",
-                                       "AIP_PREDICT_ROUTE": "v1/endpoints/1:predict".replace(":", "-"),
+                                       "AIP_PREDICT_ROUTE": "v1/endpoints/1:predict",
                                        "AIP_HEALTH_ROUTE": "/healthz"})
-    assert settings == {"port": 9000, "predict_route": "/v1/endpoints/1-predict", "predict_health_route": "/healthz"}
+    assert settings == {"port": 9000, "predict_route": "/v1/endpoints/1:predict", "predict_health_route": "/healthz"}
+    Settings(**settings)  # Vertex AI's own routes are valid settings
     assert "AIP_HTTP_PORT" in notes[0]
     assert vertex_settings({"AIP_MODE": "PREDICTION"})[0] == {"port": 8080, "predict_route": "/predict"}
     for port in ("0", "65536", "http", "-1", "9" * 40):

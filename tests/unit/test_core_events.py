@@ -415,3 +415,23 @@ def test_llama_server_whole_body():
                        {"generation_settings": {"post_sampling_probs": True}})
     assert body["content"] == "Hello\nthere" and body["has_new_line"] and body["stop_type"] == "eos"
     assert body["completion_probabilities"][0]["prob"] == pytest.approx(0.6065, abs=1e-3)
+
+
+def test_hidden_cache_counts_leave_only_the_prompts_last_progress_and_no_cache_in_it():
+    """report_cached_tokens = false: the progress reports begin at the cached count and move by chunks from
+    it; only the last (all read) is passed on, its cache and clock zeroed."""
+    from daemon.http.core.run import _without_cache_counts
+
+    items = [p.PromptProgress("r", total=90, cache=40, processed=40, seconds=0.1),
+             p.PromptProgress("r", total=90, cache=40, processed=72, seconds=0.2),
+             p.PromptProgress("r", total=90, cache=40, processed=90, seconds=0.3),
+             tokens("a", n_prompt_tokens=90, n_cached_tokens=40), DONE]
+    job = SimpleNamespace(next=Script(items).next)
+    _without_cache_counts(job)
+
+    async def drain():
+        return [await job.next(None) for _ in range(3)]
+
+    last, first_tokens, done = asyncio.run(drain())
+    assert last == p.PromptProgress("r", total=90, cache=0, processed=90, seconds=0.0)
+    assert first_tokens.n_cached_tokens == 0 and done.cached_tokens == 0

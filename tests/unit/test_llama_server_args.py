@@ -86,7 +86,7 @@ SAMPLES: dict[str, tuple[str, dict]] = {
     "--spec-draft-model": ("/models/d.gguf", {"model_draft": "/models/d.gguf"}),
     "--draft": ("6", {"draft_max": 6}),
     "--draft-min": ("1", {"draft_min": 1}),
-    "--spec-type": ("draft-simple", {}),
+    "--spec-type": ("none", {}),
 }
 # What a flag or switch must produce: (positive effect, negative effect); None: refused.
 SWITCHES: dict[str, tuple[dict | None, dict | None]] = {
@@ -310,7 +310,7 @@ def test_dormouse_serve_flags_pass_through_untouched():
     (["--top-k", "40"], "--top-k is not supported: no server-wide default"),
     (["--spec-type", "ngram-mod"], "--spec-type 'ngram-mod' is not supported: Dormouse's speculation is draft-simple"),
     (["--spec-type", "draft-simple,ngram-cache"], "'ngram-cache' is not supported"),
-    (["--spec-type", "none"], "for none, leave out -md"),
+    (["--spec-type", "draft-simple"], "--spec-type draft-simple needs a draft model: give -md PATH"),
     (["--spec-type", " , "], "' , ' is not supported"),
 ])
 def test_hostile_command_lines_give_one_clear_error(argv, message):
@@ -329,6 +329,15 @@ def test_hostile_command_lines_give_one_clear_error(argv, message):
 def test_hostile_variables_give_one_clear_error(environ, message):
     with pytest.raises(LlamaServerArgsError, match=message):
         translate([], environ, NO_DORMOUSE_FLAGS)
+
+
+def test_spec_type_is_read_against_the_draft_model_whatever_the_order():
+    for argv in (["--spec-type", "draft-simple", "-md", "/m/d.gguf"], ["-md", "/m/d.gguf", "--spec-type", "draft-simple"]):
+        assert translate(argv, {}, NO_DORMOUSE_FLAGS).settings == {"model_draft": "/m/d.gguf"}
+    for argv in (["--spec-type", "none", "-md", "/m/d.gguf"], ["-md", "/m/d.gguf", "--spec-type", "none"]):
+        t = translate(argv, {}, NO_DORMOUSE_FLAGS)
+        assert "model_draft" not in t.settings and any("is not loaded" in note for note in t.notes)
+    assert translate([], {"LLAMA_ARG_SPEC_TYPE": "none"}, NO_DORMOUSE_FLAGS).settings == {}
 
 
 def test_wrong_types_and_too_many_arguments_are_refused():

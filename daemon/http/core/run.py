@@ -107,12 +107,16 @@ def _without_cache_counts(job: Job) -> None:
 
     async def next_item(wake_limit: float | None):
         item = await receive(wake_limit)
+        # A prompt's progress starts at the cached count and moves by chunks from there: only its end
+        # (everything read) says nothing of the cache.
+        while isinstance(item, p.PromptProgress) and item.processed < item.total:
+            item = await receive(wake_limit)
         if isinstance(item, p.Done) and (item.cached_tokens or item.restored_tokens or item.cache_tier):
             return msgspec.structs.replace(item, cached_tokens=0, restored_tokens=0, cache_tier="")
         if isinstance(item, p.Tokens) and item.n_cached_tokens:
             return msgspec.structs.replace(item, n_cached_tokens=0)
-        if isinstance(item, p.PromptProgress) and item.cache:
-            return msgspec.structs.replace(item, cache=0)
+        if isinstance(item, p.PromptProgress):
+            return msgspec.structs.replace(item, cache=0, seconds=0.0)
         return item
 
     job.next = next_item  # type: ignore[method-assign]  # this job's alone (an instance attribute)

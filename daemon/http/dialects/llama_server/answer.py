@@ -36,7 +36,7 @@ def generation_settings(params: p.SamplingParams, n_predict: int, stream: bool =
     logit_bias: a bias of -inf (a token never drawn; `false` in the request) is null, as llama-server
     writes it; with ignore_eos, the model's end-of-generation tokens (eog_tokens) are there at -inf."""
     biases = dict(params.logit_bias)
-    if params.ignore_eos:
+    if params.ignore_eos and params.grammar is None:  # as the worker's sampler (sampling.py) applies it
         biases.update(dict.fromkeys(eog_tokens, -math.inf))
     return {"seed": -1 if params.seed is None else params.seed, "temperature": params.temperature,
             "top_k": params.top_k, "top_p": params.top_p, "min_p": params.min_p,
@@ -86,6 +86,13 @@ def _native_error(item, body: NativeCompletionRequest, model: FleetModel) -> Api
     return ContextExceeded(n_ctx + 1, n_ctx, True)  # the worker said it overflows, not by how much
 
 
+def _settings_end(model: FleetModel, params, n_predict: int, stream: bool, n_probs: int, post_sampling: bool) -> dict:
+    """The answer's generation_settings, read once the worker has taken the request: a request that woke
+    the model finds its end-of-generation tokens (model_info) there only then."""
+    return {"generation_settings": generation_settings(params, n_predict, stream, n_probs, post_sampling,
+                                                       model.controller.model_info.get("eog_tokens", []))}
+
+
 async def native_answer(request: web.Request, model: FleetModel, job: Job, body, params, n_predict: int,
                         post_sampling: bool, pick: Callable[[dict], dict] | None = None) -> web.StreamResponse:
     """/completion's answer to a job, whole or streamed; /infill's too (`pick`: its response_fields,
@@ -93,12 +100,11 @@ async def native_answer(request: web.Request, model: FleetModel, job: Job, body,
     if not body.stream:
         answer = await native_whole(request, model, job, body, params, n_predict, post_sampling)
         return web.json_response(pick(answer) if pick is not None else answer)
-    end = {"generation_settings": generation_settings(params, n_predict, body.stream, body.n_probs, post_sampling,
-                                                      model.controller.model_info.get("eog_tokens", []))}
     async with tracked(request, model, job, body.stream):
         item = await first_item(request, model, job)
         if is_failure(item):
             raise _native_error(item, body, model)
+        end = _settings_end(model, params, n_predict, True, body.n_probs, post_sampling)
         response = await open_event_stream(request, job)
         reader = ChoiceReader()
         writer = NativeChunks(response.write, model.id, body, end, reader)
@@ -111,12 +117,11 @@ async def native_answer(request: web.Request, model: FleetModel, job: Job, body,
 async def native_whole(request: web.Request, model: FleetModel, job: Job, body, params, n_predict: int,
                        post_sampling: bool) -> dict:
     """/completion's whole answer to one job (one prompt), as a dict."""
-    end = {"generation_settings": generation_settings(params, n_predict, False, body.n_probs, post_sampling,
-                                                      model.controller.model_info.get("eog_tokens", []))}
     async with tracked(request, model, job, False):
         item = await first_item(request, model, job)
         if is_failure(item):
             raise _native_error(item, body, model)
+        end = _settings_end(model, params, n_predict, False, body.n_probs, post_sampling)
         whole = await whole_answer(job, item)
         if whole.failure is not None:
             raise _native_error(whole.failure.item, body, model)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import base64
 import struct
 
+import msgspec
 from aiohttp import web
 
 from daemon.http.core.job import parse_body
@@ -56,7 +57,10 @@ async def embeddings(request: web.Request) -> web.Response:
         raise ApiError(exc.status, f"{exc.message}; the input is too large to process: give a larger batch_size "
                                    "(-b), within ctx_size / parallel", exc.code, exc.param) from None
     if per_token:  # llama-server's own answer: each input's every token, not pooled, not normalized
-        return web.json_response([{"index": i, "embedding": vectors} for i, vectors in enumerate(answer.token_embeddings)])
+        # msgspec, not json: up to millions of numbers, encoded in C without holding up the event loop long
+        return web.Response(body=msgspec.json.encode([{"index": i, "embedding": vectors}
+                                                      for i, vectors in enumerate(answer.token_embeddings)]),
+                            content_type="application/json")
     data = []
     for i, vector in enumerate(answer.embeddings):
         if body.encoding_format == "base64":  # as OpenAI's: little-endian float32
