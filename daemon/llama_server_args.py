@@ -175,14 +175,29 @@ def _finish(out: Translation) -> None:
 
 
 def _check_speculation(out: Translation) -> None:
-    """--spec-type against -md, whatever their order: draft-simple needs a draft model (llama-server fails
-    without one); none speculates with none, so a draft model beside it is not loaded."""
+    """--spec-type against the draft model, whatever their order. none: no speculation, so a draft model on
+    the command line (-md, or Dormouse's --model-draft) is not loaded. draft-simple: drafts are proposed
+    whatever their probability unless --spec-draft-p-min says otherwise (llama-server's default p-min is 0;
+    Dormouse's own, without --spec-type, is 0.75)."""
     spelling = out.origins.pop("speculation", "--spec-type")
-    if out.speculation == "draft-simple" and not out.settings.get("model_draft"):
-        raise LlamaServerArgsError(f"{spelling} draft-simple needs a draft model: give -md PATH")
-    if out.speculation == "none" and out.settings.get("model_draft"):
-        out.settings.pop("model_draft")
-        out.notes.append(f"{spelling} none: the draft model ({out.origins.pop('model_draft', '-md')}) is not loaded")
+    if out.speculation == "draft-simple" and "draft_p_min" not in out.settings:
+        out.settings["draft_p_min"] = 0.0
+        out.origins["draft_p_min"] = spelling
+    if out.speculation != "none":
+        return
+    dropped = []
+    if out.settings.pop("model_draft", None):
+        dropped.append(out.origins.pop("model_draft", "-md"))
+    for flag in ("--model-draft",):  # Dormouse's own spelling, passed through to its argparse
+        while flag in out.rest[:-1]:
+            at = out.rest.index(flag)
+            del out.rest[at:at + 2]
+            dropped.append(flag)
+        for at in [i for i, arg in enumerate(out.rest) if arg.startswith(flag + "=")][::-1]:
+            del out.rest[at]
+            dropped.append(flag)
+    if dropped:
+        out.notes.append(f"{spelling} none: the draft model ({', '.join(dropped)}) is not loaded")
 
 
 def _fold_ubatch_into_batch(out: Translation) -> None:

@@ -310,7 +310,6 @@ def test_dormouse_serve_flags_pass_through_untouched():
     (["--top-k", "40"], "--top-k is not supported: no server-wide default"),
     (["--spec-type", "ngram-mod"], "--spec-type 'ngram-mod' is not supported: Dormouse's speculation is draft-simple"),
     (["--spec-type", "draft-simple,ngram-cache"], "'ngram-cache' is not supported"),
-    (["--spec-type", "draft-simple"], "--spec-type draft-simple needs a draft model: give -md PATH"),
     (["--spec-type", " , "], "' , ' is not supported"),
 ])
 def test_hostile_command_lines_give_one_clear_error(argv, message):
@@ -332,11 +331,18 @@ def test_hostile_variables_give_one_clear_error(environ, message):
 
 
 def test_spec_type_is_read_against_the_draft_model_whatever_the_order():
+    # draft-simple: llama-server's p-min, 0, unless the line gives one
     for argv in (["--spec-type", "draft-simple", "-md", "/m/d.gguf"], ["-md", "/m/d.gguf", "--spec-type", "draft-simple"]):
-        assert translate(argv, {}, NO_DORMOUSE_FLAGS).settings == {"model_draft": "/m/d.gguf"}
+        assert translate(argv, {}, NO_DORMOUSE_FLAGS).settings == {"model_draft": "/m/d.gguf", "draft_p_min": 0.0}
+    given = translate(["--spec-type", "draft-simple", "--spec-draft-p-min", "0.5"], {}, NO_DORMOUSE_FLAGS)
+    assert given.settings == {"draft_p_min": 0.5}
+    # none: no draft model is loaded, named by llama-server's spelling or Dormouse's own
     for argv in (["--spec-type", "none", "-md", "/m/d.gguf"], ["-md", "/m/d.gguf", "--spec-type", "none"]):
         t = translate(argv, {}, NO_DORMOUSE_FLAGS)
         assert "model_draft" not in t.settings and any("is not loaded" in note for note in t.notes)
+    for own in (["--model-draft", "/m/d.gguf"], ["--model-draft=/m/d.gguf"]):
+        t = translate(["--spec-type", "none", *own, "--state-dir", "/s"], {})
+        assert t.rest == ["--state-dir", "/s"] and any("(--model-draft) is not loaded" in note for note in t.notes)
     assert translate([], {"LLAMA_ARG_SPEC_TYPE": "none"}, NO_DORMOUSE_FLAGS).settings == {}
 
 
