@@ -150,6 +150,8 @@ class Settings(BaseSettings):
                           "same per-token limits as json_schema (a grammar past them ends its own request with an "
                           "error, never stalls the others); false refuses the field")
     status_page: bool = Field(True, description="the status page at / and /ui; false: 404 there (llama-server's --no-ui)")
+    metrics_endpoint: bool = Field(True, description="false: GET /metrics answers 501, as llama-server's without "
+                                   "--metrics (metrics_key guards it instead, when scrapes are wanted)")
     slots_endpoint: bool = Field(True, description="false: GET /slots answers 501, as llama-server's --no-slots "
                                  "(/props and the status page still show the slots)")
     predict_route: str | None = Field(

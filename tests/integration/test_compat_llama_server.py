@@ -555,3 +555,16 @@ async def test_no_slots_turns_get_slots_off_and_props_still_lists_them():
     async with fake_daemon() as (controller, client):
         await ready(controller)
         assert (await client.get("/slots")).status == 200
+
+
+async def test_metrics_can_be_turned_off_and_are_on_by_default():
+    """llama-server's test_metrics_disabled: a /metrics turned off is a 501 that says how to turn it on;
+    the model is not woken and nothing else changes."""
+    async with fake_daemon(metrics_endpoint=False) as (controller, client):
+        await ready(controller)
+        response = await client.get("/metrics")
+        error = (await response.json())["error"]
+        assert response.status == 501 and error["code"] == "not_supported" and "metrics_endpoint" in error["message"]
+        assert (await client.get("/health")).status == 200
+    async with fake_daemon() as (controller, client):
+        assert (await client.get("/metrics")).status == 200
