@@ -23,7 +23,7 @@ from config.reloadable import needs_restart
 from config.settings import admin_key_problem
 from daemon.fleet.metrics import FleetMetrics
 from daemon.fleet.owner import Fleet, FleetModel
-from daemon.fleet.plans import ModelPlan, footprint_store, memory_budget
+from daemon.fleet.plans import ModelPlan, configured_as_router, footprint_store, memory_budget
 from daemon.http.agent import snapshot_of, start_agent
 from daemon.http.app import build_app
 from daemon.http.keys import LISTENING
@@ -91,7 +91,8 @@ def build_fleet(settings: Settings, plans: list[ModelPlan], families: MetricFami
     default = next(plan.id for plan in plans if plan.is_default)
     fleet = Fleet(models, default, budget.bytes, settings.wake_timeout, FleetMetrics(families.registry), log,
                   on_measured=keep_measurement, admit=len(plans) > 1 or settings.memory_budget is not None,
-                  load_timeout=settings.load_timeout, max_models=settings.models_max)
+                  load_timeout=settings.load_timeout, max_models=settings.models_max,
+                  any_name=not configured_as_router(settings, len(plans)))
     log.info("fleet.budget", bytes=budget.bytes, how=budget.how, admission=fleet.admitting,
              models={m.id: m.bytes for m in models})
     return fleet
@@ -204,7 +205,7 @@ async def serve(settings: Settings, plans: list[ModelPlan], reload_settings: Cal
     agent = None
     if settings.agent_port:
         try:
-            agent = await start_agent(settings.hosts if settings.host else "", settings.agent_port, lambda: snapshot_of(fleet.controllers), log)
+            agent = await start_agent(settings.hosts if settings.host else "", settings.agent_port, lambda: snapshot_of(fleet.controllers, fleet.any_name), log)
         except OSError as exc:
             log.error("agent.bind_failed", port=settings.agent_port, error=exc.strerror)
             await runner.cleanup()

@@ -111,8 +111,13 @@ class PendingLoad:
 class Fleet:
     def __init__(self, models: list[FleetModel], default: str, budget: int, wake_timeout: float,
                  metrics: FleetMetrics, log, on_measured: Callable[[FleetModel], None] | None = None,
-                 admit: bool = True, load_timeout: float = 600.0, max_models: int = 0) -> None:
+                 admit: bool = True, load_timeout: float = 600.0, max_models: int = 0,
+                 any_name: bool | None = None) -> None:
         self.models = {m.id: m for m in models}
+        # A fleet of one not configured as a router answers whatever model a request names, as a
+        # single-model llama-server does (clients send "gpt-4o" and the like); a router answers
+        # only its models' names, as llama-server's router does, whatever their number.
+        self.any_name = len(models) == 1 if any_name is None else any_name and len(models) == 1
         self.max_models = max_models  # models_max: at most this many resident at once (0: bytes alone)
         self.default = default
         self.budget = budget
@@ -142,8 +147,8 @@ class Fleet:
     # -- routing --------------------------------------------------------------------
 
     def route(self, name: str | None) -> FleetModel:
-        """The model a request names (id or alias). No name, or a fleet of one: the default."""
-        if name is None or len(self.models) == 1:
+        """The model a request names (id or alias). No name, or any name where any is served: the default."""
+        if name is None or self.any_name:
             return self.models[self.default]
         model = self._names.get(name)
         if model is None:

@@ -83,6 +83,12 @@ def model_plans(settings: Settings, log=None, fetch: bool = True) -> list[ModelP
     return plans
 
 
+def configured_as_router(settings: Settings, n_models: int) -> bool:
+    """Several models, or any of llama-server's router options (a fleet of one may grow by them): /props
+    says role "router", and a request's model name must be one of the fleet's (Fleet.any_name)."""
+    return n_models > 1 or settings.models_dir is not None or settings.models_max > 0 or not settings.models_autoload
+
+
 def _own_model(settings: Settings, table, overrides: dict[str, Any]) -> dict[str, Any]:
     """The table's settings over the top level's. A table that names its own model (path or hf) takes none
     of the top-level model keys (a top-level hf_file belongs to the top-level repository); its llama_options

@@ -119,13 +119,14 @@ class ReplicaSnapshot:
     # model id -> that model's snapshot; empty for one model's own snapshot
     models: tuple[tuple[str, "ReplicaSnapshot"], ...] = ()
     tier: str | None = None  # drowsy, light or deep: said after the weight as HAProxy's description ("up 100% #drowsy")
+    any_name: bool = True  # a process of one model answers for it whatever a line names (Fleet.any_name)
 
     def model(self, name: str) -> "ReplicaSnapshot | None":
         """This model's snapshot; None when the replica does not serve it."""
         if self.state == "stopping":
             return STOPPING  # the whole process goes: every model says so
-        if len(self.models) == 1:
-            return self.models[0][1]  # a fleet of one serves any name (Fleet.route)
+        if len(self.models) == 1 and self.any_name:
+            return self.models[0][1]  # a fleet of one not configured as a router serves any name (Fleet.route)
         return dict(self.models).get(name)
 
 
@@ -153,8 +154,9 @@ def model_snapshot(controller) -> ReplicaSnapshot:
     return ReplicaSnapshot("asleep", 0, tier="light" if light else "deep")
 
 
-def snapshot_of(controllers: Iterable) -> ReplicaSnapshot:
-    """The process's answer (awake if any model is) with every model's own beside it."""
+def snapshot_of(controllers: Iterable, any_name: bool = True) -> ReplicaSnapshot:
+    """The process's answer (awake if any model is) with every model's own beside it;
+    any_name: whether one model answers for every name a line gives (Fleet.any_name)."""
     controllers = list(controllers)
     models = tuple((c.model_id, model_snapshot(c)) for c in controllers)
     states = [snapshot.state for _, snapshot in models]
@@ -162,14 +164,14 @@ def snapshot_of(controllers: Iterable) -> ReplicaSnapshot:
         return STOPPING
     ready = [snapshot for _, snapshot in models if snapshot.state == "ready"]
     if ready:
-        return ReplicaSnapshot("ready", sum(s.free_slots for s in ready), models)
+        return ReplicaSnapshot("ready", sum(s.free_slots for s in ready), models, any_name=any_name)
     # A process of one model says that model's sleep tier too (a plain agent-check names no model).
     tier = models[0][1].tier if len(models) == 1 else None
     if "waking" in states:
-        return ReplicaSnapshot("waking", 0, models, tier)
+        return ReplicaSnapshot("waking", 0, models, tier, any_name)
     if states and all(s == "failed" for s in states):
-        return ReplicaSnapshot("failed", 0, models)
-    return ReplicaSnapshot("asleep", 0, models, tier)
+        return ReplicaSnapshot("failed", 0, models, any_name=any_name)
+    return ReplicaSnapshot("asleep", 0, models, tier, any_name)
 
 
 def tier_of(snapshot: ReplicaSnapshot | None) -> str | None:

@@ -1,7 +1,8 @@
 """llama-server's router options on the fleet, over HTTP on fake workers: models_max (--models-max)
 puts the least recently used idle model to sleep for another, and never one under its requests;
 models_autoload = false (--no-models-autoload) refuses a model that is not loaded until
-POST /models/load, while one that fell asleep when idle still wakes; /props says both."""
+POST /models/load, while one that fell asleep when idle still wakes; /props says both; a router,
+even of one model, answers only its models' names."""
 
 from __future__ import annotations
 
@@ -82,4 +83,22 @@ async def test_one_model_with_router_options_says_router_and_without_them_model(
         assert (props["role"], props["max_instances"], props["models_autoload"]) == ("router", 2, False)
     async with fake_fleet() as (_, client):
         assert (await (await client.get("/props")).json())["role"] == "model"
+
+
+async def test_a_router_of_one_model_answers_only_its_names_and_a_single_model_daemon_any():
+    """llama-server's test_router_chat_completion_stream: its router answers an unknown model 404, while a
+    single-model server answers whatever a client names (clients send "gpt-4o"); the HAProxy agent agrees."""
+    from daemon.http.agent import snapshot_of
+
+    async with fake_fleet(models_max=1) as (fleet, client):
+        assert not fleet.any_name
+        unknown = await complete(client, "non-existent/model", stream=True)
+        assert unknown.status == 404 and (await unknown.json())["error"]["code"] == "model_not_found"
+        assert (await complete(client, "fake")).status == 200
+        replica = snapshot_of(fleet.controllers, fleet.any_name)
+        assert replica.model("non-existent/model") is None and replica.model("fake") is not None
+    async with fake_fleet() as (fleet, client):
+        assert fleet.any_name
+        assert (await complete(client, "gpt-4o")).status == 200
+        assert snapshot_of(fleet.controllers, fleet.any_name).model("gpt-4o") is not None
 

@@ -105,17 +105,11 @@ async def props(request: web.Request) -> web.Response:
                   "models": [fleet.describe(m) for m in fleet.models.values()]},
         # llama-server's router: role, max_instances (models_max; 0: the memory budget alone), models_autoload;
         # build_info as its "b<build>": the llama.cpp bindings' version and Dormouse's.
-        "role": "router" if _routes(fleet, request.app[SETTINGS]) else "model",
+        "role": "model" if fleet.any_name else "router",
         "max_instances": fleet.max_models,
         "models_autoload": request.app[SETTINGS].models_autoload,
         "build_info": _build_info(),
     })
-
-
-def _routes(fleet, settings) -> bool:
-    """Configured as a router: several models, or any of the router's options (a fleet of one may grow by them)."""
-    return len(fleet.models) > 1 or settings.models_dir is not None or settings.models_max > 0 \
-        or not settings.models_autoload
 
 
 @functools.cache

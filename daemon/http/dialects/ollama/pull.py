@@ -130,7 +130,7 @@ async def _stream(request: web.Request, items: AsyncIterator[dict[str, Any]], lo
 
 def _serves(request: web.Request, name: str) -> bool:
     """Whether a model of the fleet has this exact id or alias (Ollama's ":latest" or not). Not the routing's
-    rule: a fleet of one answers every name, and a pull of another name must reach the hub."""
+    rule: a fleet of one may answer every name (Fleet.any_name), and a pull of another name must reach the hub."""
     names = {n for m in request.app[FLEET].models.values() for n in (m.id, *m.aliases)}
     return name in names or name.removesuffix(":latest") in names
 

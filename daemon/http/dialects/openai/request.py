@@ -2,8 +2,8 @@
 /input_tokens count), /v1/models.
 
 A handler validates the body, routes it to the model it names (its `model`
-field: an id or an alias; none, or a fleet of one: the default model; an
-unknown name: 404 model_not_found), hands a job to that model's controller and turns what
+field: an id or an alias; none, or any name where one model answers all
+(Fleet.any_name): the default model; an unknown name: 404 model_not_found), hands a job to that model's controller and turns what
 the worker sends back into an OpenAI response: one JSON body, or SSE chunks
 ending with `data: [DONE]`. Headers are sent only once the first token is
 there, so a rejected or timed-out request still gets a proper status code.
