@@ -180,10 +180,12 @@ class Settings(BaseSettings):
                                     "and its mmproj*.gguf) a model named after it, as llama-server's router reads "
                                     "--models-dir; a [models.ID] table of the same id wins")
     models_max: int = Field(0, ge=0, le=64, description="at most this many models hold memory at once (the least "
-                            "recently used idle one sleeps for another); 0: the memory budget alone decides")
+                            "recently used idle one sleeps for another); 0: the memory budget alone decides. Set "
+                            "without a top-level model, it makes the daemon a router: model names must match")
     models_autoload: bool = Field(True, description="false: a request for a model that is not loaded (never yet, or "
                                   "unloaded or evicted since) is refused until POST /models/load; one that fell "
-                                  "asleep when idle still wakes")
+                                  "asleep when idle still wakes. Set without a top-level model, it makes the daemon a "
+                                  "router: model names must match")
 
     # -- sampling defaults: for a request that leaves the field out (llama-server's -n, -s, --temp) --
     n_predict: int | None = Field(

@@ -176,28 +176,27 @@ def _finish(out: Translation) -> None:
 
 def _check_speculation(out: Translation) -> None:
     """--spec-type against the draft model, whatever their order. none: no speculation, so a draft model on
-    the command line (-md, or Dormouse's --model-draft) is not loaded. draft-simple: drafts are proposed
-    whatever their probability unless --spec-draft-p-min says otherwise (llama-server's default p-min is 0;
-    Dormouse's own, without --spec-type, is 0.75)."""
+    the command line (-md, --model-draft) is not loaded. draft-simple: drafts are proposed whatever their
+    probability unless --spec-draft-p-min says otherwise (llama-server's default p-min is 0; Dormouse's own,
+    without --spec-type, is 0.75). What the line cannot reach (a model_draft or draft_p_min of the config
+    file or the environment) is said in a note."""
     spelling = out.origins.pop("speculation", "--spec-type")
-    if out.speculation == "draft-simple" and "draft_p_min" not in out.settings:
-        out.settings["draft_p_min"] = 0.0
-        out.origins["draft_p_min"] = spelling
+    if out.speculation == "draft-simple":
+        if "draft_p_min" not in out.settings:
+            out.settings["draft_p_min"] = 0.0
+            out.origins["draft_p_min"] = spelling
+            out.notes.append(f"{spelling} draft-simple: draft_p_min = 0 (llama-server's default), over a "
+                             "draft_p_min of the config file or the environment")
+        if "model_draft" not in out.settings:
+            out.notes.append(f"{spelling} draft-simple without -md: drafts only with a model_draft of the config "
+                             "file or the environment")
     if out.speculation != "none":
         return
-    dropped = []
     if out.settings.pop("model_draft", None):
-        dropped.append(out.origins.pop("model_draft", "-md"))
-    for flag in ("--model-draft",):  # Dormouse's own spelling, passed through to its argparse
-        while flag in out.rest[:-1]:
-            at = out.rest.index(flag)
-            del out.rest[at:at + 2]
-            dropped.append(flag)
-        for at in [i for i, arg in enumerate(out.rest) if arg.startswith(flag + "=")][::-1]:
-            del out.rest[at]
-            dropped.append(flag)
-    if dropped:
-        out.notes.append(f"{spelling} none: the draft model ({', '.join(dropped)}) is not loaded")
+        out.notes.append(f"{spelling} none: the draft model ({out.origins.pop('model_draft', '-md')}) is not loaded")
+    else:
+        out.notes.append(f"{spelling} none: a model_draft of the config file or the environment would still be "
+                         "loaded and used (remove it there)")
 
 
 def _fold_ubatch_into_batch(out: Translation) -> None:

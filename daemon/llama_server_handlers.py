@@ -100,7 +100,10 @@ def model_aliases(text: str, spelling: str, out: Translation) -> None:
 
 
 def llamacpp_metrics(value: object, spelling: str, out: Translation) -> None:
-    """--metrics: llama-server's `llamacpp:` names on /metrics (which Dormouse always serves)."""
+    """--metrics: /metrics served (over a metrics_endpoint = false of the config file or the environment),
+    with llama-server's `llamacpp:` names."""
+    out.settings["metrics_endpoint"] = True
+    out.origins["metrics_endpoint"] = spelling
     out.settings["metrics_compat"] = ["llamacpp"]
     out.origins["metrics_compat"] = spelling
     out.notes.append(f"{spelling}: metrics_compat = llamacpp, over a metrics_compat of the config file or the "

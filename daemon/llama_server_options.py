@@ -357,8 +357,9 @@ OPTIONS: tuple[Option, ...] = (
     opt("--cache-reuse", "LLAMA_ARG_CACHE_REUSE", "int",
         accepted("Dormouse reuses shared prefixes by its own rule (cache_deterministic)")),
     opt("--metrics", "LLAMA_ARG_ENDPOINT_METRICS", "flag", custom(
-        "mapped", "mapped to `metrics_compat` = llamacpp: /metrics carries llama-server's `llamacpp:` names beside "
-                  "Dormouse's own (it is always served)", handlers.llamacpp_metrics)),
+        "mapped", "mapped to `metrics_endpoint` = true and `metrics_compat` = llamacpp: /metrics carries "
+                  "llama-server's `llamacpp:` names beside Dormouse's own (without --metrics it is served too, "
+                  "unless metrics_endpoint = false)", handlers.llamacpp_metrics)),
     opt("--props", "LLAMA_ARG_ENDPOINT_PROPS", "flag", refused("POST /props cannot change Dormouse's settings")),
     opt("--slots", "LLAMA_ARG_ENDPOINT_SLOTS", "switch", setting("slots_endpoint"), negative="--no-slots"),
     opt("--slot-save-path", None, "string", setting("slot_save_path")),
@@ -459,8 +460,9 @@ OPTIONS: tuple[Option, ...] = (
         refused("the draft model is offloaded as the main model is (-ngl)")),
     opt("--spec-draft-model -md --model-draft", "LLAMA_ARG_SPEC_DRAFT_MODEL", "string", setting("model_draft")),
     opt("--spec-type", "LLAMA_ARG_SPEC_TYPE", "string", custom(
-        "accepted", "draft-simple accepted (Dormouse drafts with the draft model, -md, which it needs), none "
-                    "accepted (a -md beside it is not used); the n-gram, lookup and model-specific types refused",
+        "accepted", "draft-simple accepted (Dormouse drafts with the draft model, -md, at llama-server's p-min "
+                    "of 0 unless --spec-draft-p-min is given), none accepted (a -md beside it is not loaded); the "
+                    "n-gram, lookup and model-specific types refused",
         _spec_type)),
     *(opt(spelling, None, "int", refused(NGRAM)) for spelling in (
         "--spec-ngram-mod-n-min", "--spec-ngram-mod-n-max", "--spec-ngram-mod-n-match", "--spec-ngram-simple-size-n",

@@ -205,7 +205,7 @@ async def serve(settings: Settings, plans: list[ModelPlan], reload_settings: Cal
     agent = None
     if settings.agent_port:
         try:
-            agent = await start_agent(settings.hosts if settings.host else "", settings.agent_port, lambda: snapshot_of(fleet.controllers, fleet.any_name), log)
+            agent = await start_agent(settings.hosts if settings.host else "", settings.agent_port, lambda: snapshot_of(fleet.controllers, fleet.any_name, fleet.aliases), log)
         except OSError as exc:
             log.error("agent.bind_failed", port=settings.agent_port, error=exc.strerror)
             await runner.cleanup()

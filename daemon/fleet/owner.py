@@ -156,6 +156,11 @@ class Fleet:
         return model
 
     @property
+    def aliases(self) -> dict[str, str]:
+        """Each alias -> its model's id (the HAProxy agent resolves a line's name as route() does)."""
+        return {name: m.id for name, m in self._names.items() if name != m.id}
+
+    @property
     def controllers(self) -> list[Controller]:
         return [m.controller for m in self.models.values()]
 

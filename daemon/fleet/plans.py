@@ -84,9 +84,14 @@ def model_plans(settings: Settings, log=None, fetch: bool = True) -> list[ModelP
 
 
 def configured_as_router(settings: Settings, n_models: int) -> bool:
-    """Several models, or any of llama-server's router options (a fleet of one may grow by them): /props
-    says role "router", and a request's model name must be one of the fleet's (Fleet.any_name)."""
-    return n_models > 1 or settings.models_dir is not None or settings.models_max > 0 or not settings.models_autoload
+    """Configured as llama-server's router: several models, a models_dir, or its router options (models_max,
+    models_autoload = false) where no single model is named by a top-level model or hf_repo (llama-server is
+    a router only when -m and -hf are not given; `-m x.gguf --models-max 2` serves that model). A router's
+    /props says role "router", and a request's model name must be one of the fleet's (Fleet.any_name)."""
+    if n_models > 1 or settings.models_dir is not None:
+        return True
+    names_one_model = not settings.models and (settings.model is not None or bool(settings.hf_repo))
+    return not names_one_model and (settings.models_max > 0 or not settings.models_autoload)
 
 
 def _own_model(settings: Settings, table, overrides: dict[str, Any]) -> dict[str, Any]:

@@ -61,7 +61,8 @@ once: a replica at its slots' limit must leave the ring.
 A line that names no model (an older configuration, or a plain
 `agent-check`) gets the answer for the process: awake if any model is. A
 daemon with one model answers for it whatever model a line names, as its
-HTTP routes serve any model name then.
+HTTP routes serve any model name then, unless it is configured as a router
+(Fleet.any_name); a line may name a model by its id or an alias.
 
 Never "drain" or "ready": those set HAProxy's administrative state, which
 outlives the process. A "drain" from a stopping daemon would stay in force
@@ -81,7 +82,7 @@ import asyncio
 import time
 from collections import Counter
 from dataclasses import dataclass
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Mapping
 
 from statemachine import ServerState
 
@@ -96,6 +97,9 @@ ROLES = (SERVE, WARM, WAKE, OVERFLOW)
 ROLE_READ_SECONDS = 0.25
 # "overflow " and a model id of up to 128 characters, with room to spare.
 QUESTION_MAX_BYTES = 256
+# Distinct questions Agent.answered counts (a test's view of what the balancer asked): any client that
+# reaches the agent port can ask about endless made-up names.
+MAX_QUESTIONS_COUNTED = 256
 # Two of haproxy.cfg's agent-inter (500 ms): by then the warmer tier's line has
 # been asked at least once (tests/unit/test_deploy_haproxy.py checks the two).
 TIER_HOLD_SECONDS = 1.0
@@ -120,14 +124,22 @@ class ReplicaSnapshot:
     models: tuple[tuple[str, "ReplicaSnapshot"], ...] = ()
     tier: str | None = None  # drowsy, light or deep: said after the weight as HAProxy's description ("up 100% #drowsy")
     any_name: bool = True  # a process of one model answers for it whatever a line names (Fleet.any_name)
+    aliases: tuple[tuple[str, str], ...] = ()  # alias -> model id, as the fleet routes them
+
+    def model_id(self, name: str) -> str | None:
+        """The id of the model a line's name means (an id or an alias), as Fleet.route reads it; None: not served."""
+        if len(self.models) == 1 and self.any_name:
+            return self.models[0][0]  # a fleet of one not configured as a router serves any name (Fleet.route)
+        if name in dict(self.models):
+            return name
+        return dict(self.aliases).get(name)
 
     def model(self, name: str) -> "ReplicaSnapshot | None":
         """This model's snapshot; None when the replica does not serve it."""
         if self.state == "stopping":
             return STOPPING  # the whole process goes: every model says so
-        if len(self.models) == 1 and self.any_name:
-            return self.models[0][1]  # a fleet of one not configured as a router serves any name (Fleet.route)
-        return dict(self.models).get(name)
+        model_id = self.model_id(name)
+        return None if model_id is None else dict(self.models)[model_id]
 
 
 STOPPING = ReplicaSnapshot("stopping", 0)
@@ -154,24 +166,25 @@ def model_snapshot(controller) -> ReplicaSnapshot:
     return ReplicaSnapshot("asleep", 0, tier="light" if light else "deep")
 
 
-def snapshot_of(controllers: Iterable, any_name: bool = True) -> ReplicaSnapshot:
-    """The process's answer (awake if any model is) with every model's own beside it;
-    any_name: whether one model answers for every name a line gives (Fleet.any_name)."""
+def snapshot_of(controllers: Iterable, any_name: bool = True, aliases: Mapping[str, str] | None = None) -> ReplicaSnapshot:
+    """The process's answer (awake if any model is) with every model's own beside it; any_name: whether
+    one model answers for every name a line gives (Fleet.any_name); aliases: alias -> id (Fleet.aliases)."""
     controllers = list(controllers)
+    names = dict(any_name=any_name, aliases=tuple((aliases or {}).items()))
     models = tuple((c.model_id, model_snapshot(c)) for c in controllers)
     states = [snapshot.state for _, snapshot in models]
     if "stopping" in states:
         return STOPPING
     ready = [snapshot for _, snapshot in models if snapshot.state == "ready"]
     if ready:
-        return ReplicaSnapshot("ready", sum(s.free_slots for s in ready), models, any_name=any_name)
+        return ReplicaSnapshot("ready", sum(s.free_slots for s in ready), models, **names)
     # A process of one model says that model's sleep tier too (a plain agent-check names no model).
     tier = models[0][1].tier if len(models) == 1 else None
     if "waking" in states:
-        return ReplicaSnapshot("waking", 0, models, tier, any_name)
+        return ReplicaSnapshot("waking", 0, models, tier, **names)
     if states and all(s == "failed" for s in states):
-        return ReplicaSnapshot("failed", 0, models, any_name=any_name)
-    return ReplicaSnapshot("asleep", 0, models, tier, any_name)
+        return ReplicaSnapshot("failed", 0, models, **names)
+    return ReplicaSnapshot("asleep", 0, models, tier, **names)
 
 
 def tier_of(snapshot: ReplicaSnapshot | None) -> str | None:
@@ -240,7 +253,9 @@ class Agent:
         snapshot = replica if question.model is None else replica.model(question.model)
         answer = agent_reply(snapshot, question.role)
         tier, now = tier_of(snapshot), self._clock()
-        key = question.model
+        # Keyed by the model the name means: the names a daemon that serves any name is asked about (or
+        # aliases) share one entry, and an unknown name, in no tier, never makes one.
+        key = question.model if question.model is None else replica.model_id(question.model) or question.model
         before = self._tiers.get(key)
         if tier != before:
             self._tiers[key] = tier
@@ -268,7 +283,8 @@ class Agent:
             question = parse_question(data)
             writer.write(self.reply(question).encode("ascii"))
             await writer.drain()
-            self.answered[question] += 1
+            if question in self.answered or len(self.answered) < MAX_QUESTIONS_COUNTED:
+                self.answered[question] += 1
         except (ConnectionError, OSError):
             pass  # the balancer went away; it asks again at its next interval
         finally:

@@ -432,7 +432,7 @@ def frontend(fleet: Fleet) -> list[str]:
                   "if { var(txn.model) -m found } " + " ".join(f"!{acl_name(m.id)}" for m in fleet.models),
                   f"    http-request set-var(txn.model) str({fleet.default_model}) if !{{ var(txn.model) -m found }}"]
     else:
-        lines += ["    # One model: every request is its own (a daemon with one model serves any name).",
+        lines += ["    # One model: every request is its own, whatever name it gives.",
                   f"    http-request set-var(txn.model) str({fleet.default_model})"]
     lines.append("    # A model that no replica can serve now: 503 at once rather than a wait in a queue.")
     for m in fleet.models:

@@ -102,3 +102,20 @@ async def test_a_router_of_one_model_answers_only_its_names_and_a_single_model_d
         assert (await complete(client, "gpt-4o")).status == 200
         assert snapshot_of(fleet.controllers, fleet.any_name).model("gpt-4o") is not None
 
+
+
+async def test_router_options_beside_a_named_model_keep_it_answering_any_name(tmp_path):
+    """llama-server is a router only without -m or -hf: `-m x.gguf --models-max 2` serves that model under
+    any name; a models_dir makes a router whatever else is set."""
+    from daemon.fleet.plans import configured_as_router
+    from config import Settings
+
+    async with fake_fleet(model="/models/fake.gguf", models_max=2, models_autoload=False) as (fleet, client):
+        assert fleet.any_name and (await (await client.get("/props")).json())["role"] == "model"
+        assert (await complete(client, "gpt-4o")).status == 200
+    assert not configured_as_router(Settings(hf_repo="org/repo", models_max=1), 1)
+    (tmp_path / "x.gguf").write_bytes(b"GGUF")
+    assert configured_as_router(Settings(model="/m/x.gguf", models_dir=str(tmp_path)), 1)
+    assert configured_as_router(Settings(models_autoload=False), 1)
+    assert configured_as_router(Settings(models={"a": {"path": "/m/a.gguf"}}, models_max=1), 1)
+    assert not configured_as_router(Settings(models={"a": {"path": "/m/a.gguf"}}), 1)

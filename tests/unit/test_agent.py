@@ -10,8 +10,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from daemon.http.agent import (DOWN, FULL, OFF, OVERFLOW, SERVE, TIER_HOLD_SECONDS, WAKE, WARM, WOKEN_BUSY_HOLD_SECONDS,
-                                Agent, Question,
+from daemon.http.agent import (DOWN, FULL, MAX_QUESTIONS_COUNTED, OFF, OVERFLOW, SERVE, TIER_HOLD_SECONDS, WAKE,
+                               WARM, WOKEN_BUSY_HOLD_SECONDS, Agent, Question,
                                ReplicaSnapshot, agent_reply, parse_question, parse_role, snapshot_of, start_agent)
 from statemachine import ServerState as S
 
@@ -158,6 +158,40 @@ def test_a_fleet_of_one_answers_for_any_model_name():
     one = snapshot_of([controller(S.READY, model_id="default")])
     assert agent_reply(one.model("chat"), SERVE) == FULL
     assert agent_reply(one.model("anything"), SERVE) == FULL
+
+
+def test_a_router_of_one_answers_for_its_names_only_and_aliases_everywhere():
+    # A daemon configured as a router (Fleet.any_name false) answers only its models' names, as its
+    # HTTP routes do; an alias means its model, whatever the fleet's size.
+    router = snapshot_of([controller(S.READY, model_id="chat")], any_name=False, aliases={"gpt": "chat"})
+    assert [agent_reply(router.model(name), SERVE) for name in ("chat", "gpt", "anything")] == [FULL, FULL, DOWN]
+    two = snapshot_of([controller(S.READY, model_id="chat"), controller(S.SLEEPING, model_id="coder")],
+                      aliases={"code": "coder"})
+    assert two.model("code") == two.model("coder") != two.model("chat")
+
+
+def test_made_up_names_grow_nothing_the_agent_keeps():
+    # Anyone who reaches the agent port may ask about endless names: a daemon that serves any name
+    # keeps one entry for them all, a router none for a name it does not serve, and the count of
+    # questions asked stops growing at its bound.
+    for any_name in (True, False):
+        agent = Agent(lambda: snapshot_of([controller(S.SLEEPING, model_id="chat")], any_name), Quiet(), clock=Clock())
+        for i in range(MAX_QUESTIONS_COUNTED * 2):
+            agent.reply(Question(SERVE, f"made-up-{i}"))
+        assert set(agent._tiers) <= {"chat"} and set(agent._held) <= {"chat"}
+
+
+async def test_the_count_of_questions_is_bounded_over_a_socket():
+    agent = await start_agent("127.0.0.1", 0, lambda: snapshot_of([controller(S.READY, model_id="chat")]), Quiet())
+    port = agent.server.sockets[0].getsockname()[1]
+    try:
+        for i in range(MAX_QUESTIONS_COUNTED + 20):
+            assert await ask(port, f"serve made-up-{i}\n".encode()) == FULL  # any name: the one model
+        assert len(agent.answered) == MAX_QUESTIONS_COUNTED
+        assert await ask(port, b"serve made-up-0\n") == FULL
+        assert agent.answered[Question(SERVE, "made-up-0")] == 2  # a question already counted still counts
+    finally:
+        agent.close()
 
 
 def test_stopping_says_zero_for_every_model():

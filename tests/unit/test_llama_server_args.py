@@ -102,7 +102,7 @@ SWITCHES: dict[str, tuple[dict | None, dict | None]] = {
     "-v": ({"log_level": "debug", "verbose_answers": True}, None),
     "--log-jsonl": ({"log_format": "json"}, {"log_format": "console"}),
     "--jinja": ({}, None),
-    "--metrics": ({"metrics_compat": ["llamacpp"]}, None),
+    "--metrics": ({"metrics_endpoint": True, "metrics_compat": ["llamacpp"]}, None),
     "--models-autoload": ({"models_autoload": True}, {"models_autoload": False}),
     "--slots": ({"slots_endpoint": True}, {"slots_endpoint": False}),
     "--ui": ({"status_page": True}, {"status_page": False}),
@@ -334,8 +334,11 @@ def test_spec_type_is_read_against_the_draft_model_whatever_the_order():
     # draft-simple: llama-server's p-min, 0, unless the line gives one
     for argv in (["--spec-type", "draft-simple", "-md", "/m/d.gguf"], ["-md", "/m/d.gguf", "--spec-type", "draft-simple"]):
         assert translate(argv, {}, NO_DORMOUSE_FLAGS).settings == {"model_draft": "/m/d.gguf", "draft_p_min": 0.0}
+        assert any("draft_p_min = 0" in note for note in translate(argv, {}, NO_DORMOUSE_FLAGS).notes)
     given = translate(["--spec-type", "draft-simple", "--spec-draft-p-min", "0.5"], {}, NO_DORMOUSE_FLAGS)
     assert given.settings == {"draft_p_min": 0.5}
+    # what the line cannot reach is said: a config file's draft model is what drafts then
+    assert any("without -md" in note for note in given.notes)
     # none: no draft model is loaded, named by llama-server's spelling or Dormouse's own
     for argv in (["--spec-type", "none", "-md", "/m/d.gguf"], ["-md", "/m/d.gguf", "--spec-type", "none"]):
         t = translate(argv, {}, NO_DORMOUSE_FLAGS)
@@ -343,7 +346,8 @@ def test_spec_type_is_read_against_the_draft_model_whatever_the_order():
     for own in (["--model-draft", "/m/d.gguf"], ["--model-draft=/m/d.gguf"]):
         t = translate(["--spec-type", "none", *own, "--state-dir", "/s"], {})
         assert t.rest == ["--state-dir", "/s"] and any("(--model-draft) is not loaded" in note for note in t.notes)
-    assert translate([], {"LLAMA_ARG_SPEC_TYPE": "none"}, NO_DORMOUSE_FLAGS).settings == {}
+    unset = translate([], {"LLAMA_ARG_SPEC_TYPE": "none"}, NO_DORMOUSE_FLAGS)
+    assert unset.settings == {} and any("would still be loaded" in note for note in unset.notes)
 
 
 def test_wrong_types_and_too_many_arguments_are_refused():

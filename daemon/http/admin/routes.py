@@ -156,8 +156,9 @@ async def slots(request: web.Request) -> web.Response:
 
 async def metrics(request: web.Request) -> web.Response:
     if not request.app[SETTINGS].metrics_endpoint:
-        raise ApiError(501, "GET /metrics is turned off (metrics_endpoint = false); true serves it (metrics_key "
-                            "can guard it)", "not_supported")
+        raise ApiError(501, "GET /metrics is turned off (metrics_endpoint = false); set metrics_endpoint = true "
+                            "(DORMOUSE_METRICS_ENDPOINT, or llama-server's --metrics) to serve it, guarded by "
+                            "metrics_key if need be", "not_supported")
     for controller in request.app[FLEET].controllers:
         controller.sample_worker_memory()  # read at scrape time; never wakes anything
         controller.tier_gauges()  # the predicted wake as of now (the page cache moves without a transition)
