@@ -74,3 +74,30 @@ def match_until_tie(got: list[dict], fresh: list[dict], tie_margin: float, toler
         raise Mismatch(f"position {len(fresh)}: the fresh read ended, the cached answer went on with "
                        f"{got[len(fresh)]['id']}")
     return Match(len(fresh), None, drift, gap)
+
+
+def match_sampled_until_fork(got: list[dict], fresh: list[dict], tolerance: float) -> int | None:
+    """The same for a seeded sampled answer: the random draws are taken in the same order, so the
+    answers agree, each position's log-probabilities within `tolerance`, until a draw falls within
+    rounding of the boundary between two tokens; there they may fork, but only between tokens that
+    both reads hold as candidates (each in the other's top list). Returns the fork's position (None:
+    none); raises Mismatch otherwise."""
+    for i, (mine, ref) in enumerate(zip(got, fresh)):
+        theirs = {t["id"]: t["logprob"] for t in ref["top_logprobs"]}
+        ours = {t["id"]: t["logprob"] for t in mine["top_logprobs"]}
+        common = theirs.keys() & ours.keys()
+        if not common:
+            raise Mismatch(f"position {i}: no token in common between the top lists {ours} and {theirs}")
+        here = max(abs(theirs[t] - ours[t]) for t in common)
+        if here > tolerance:
+            raise Mismatch(f"position {i}: log-probabilities differ by {here:.4f} (> {tolerance}): "
+                           f"drafted {ours}, plain {theirs}")
+        if mine["id"] != ref["id"]:
+            if mine["id"] not in theirs or ref["id"] not in ours:
+                raise Mismatch(f"position {i}: the answers forked to {mine['id']} and {ref['id']}, not both "
+                               f"candidates of both reads: {ours}, {theirs}")
+            return i
+    if len(got) != len(fresh):
+        raise Mismatch(f"the answers agree for {min(len(got), len(fresh))} tokens, then one ends ({len(got)} "
+                       f"against {len(fresh)})")
+    return None

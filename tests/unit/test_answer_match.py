@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.answer_match import Mismatch, match_until_tie, top_gap
+from tests.answer_match import Mismatch, match_sampled_until_fork, match_until_tie, top_gap
 
 MARGIN, TOLERANCE = 0.05, 0.02
 
@@ -82,3 +82,18 @@ def test_a_top_list_of_one_has_no_gap():
 def test_nothing_to_compare_is_an_empty_match():
     m = match_until_tie([], [], MARGIN, TOLERANCE)
     assert (m.compared, m.tie_at) == (0, None)
+
+
+def test_a_sampled_answer_forks_only_between_candidates_of_both_reads():
+    # The draft's fork seen on the bundled model: two tokens 0.0015 apart swap places.
+    plain = [entry(5, {5: -0.2, 6: -2.0}), entry(600, {600: -1.6673, 764: -1.7794, 761: -1.7809})]
+    drafted = [entry(5, {5: -0.21, 6: -2.01}), entry(761, {600: -1.6949, 761: -1.7411, 764: -1.7488})]
+    assert match_sampled_until_fork(drafted, plain, TOLERANCE + 0.02) == 1
+    assert match_sampled_until_fork(plain, plain, TOLERANCE) is None
+    # a token only one read holds as a candidate is no rounding: another draw, or another distribution
+    with pytest.raises(Mismatch, match="not both candidates"):
+        match_sampled_until_fork([plain[0], entry(9, {600: -1.6, 9: -1.7})], plain, 1.0)
+    with pytest.raises(Mismatch, match="differ by"):
+        match_sampled_until_fork(shifted(plain, 0.5), plain, TOLERANCE)
+    with pytest.raises(Mismatch, match="then one ends"):
+        match_sampled_until_fork(plain[:1], plain, TOLERANCE)
