@@ -41,6 +41,25 @@ def top_gap(entry: dict) -> float:
     return ranked[0] - ranked[1] if len(ranked) > 1 else float("inf")
 
 
+def compare_position(i: int, mine: dict, ref: dict, tolerance: float,
+                     with_chosen: bool) -> tuple[dict[int, float], dict[int, float], float]:
+    """Position i's top lists (token -> log-probability; with_chosen: each read's choice added), checked to
+    share a token and to differ by at most `tolerance` there: (ours, theirs, the largest difference)."""
+    theirs = {t["id"]: t["logprob"] for t in ref["top_logprobs"]}
+    ours = {t["id"]: t["logprob"] for t in mine["top_logprobs"]}
+    if with_chosen:
+        theirs.setdefault(ref["id"], ref["logprob"])
+        ours.setdefault(mine["id"], mine["logprob"])
+    common = theirs.keys() & ours.keys()
+    if not common:
+        raise Mismatch(f"position {i}: no token in common between the top lists {ours} and {theirs}")
+    here = max(abs(theirs[t] - ours[t]) for t in common)
+    if here > tolerance:
+        raise Mismatch(f"position {i}: log-probabilities differ by {here:.4f} (> {tolerance}): "
+                       f"compared {ours}, reference {theirs}")
+    return ours, theirs, here
+
+
 def match_until_tie(got: list[dict], fresh: list[dict], tie_margin: float, tolerance: float) -> Match:
     """Compare the cached answer `got` with the `fresh` read; raise Mismatch where they
     differ by more than rounding. Returns what was compared."""
@@ -50,17 +69,7 @@ def match_until_tie(got: list[dict], fresh: list[dict], tie_margin: float, toler
             raise Mismatch(f"position {i}: the cached answer ended, the fresh read went on with {ref['id']} "
                            f"(margin {top_gap(ref):.4f})")
         mine = got[i]
-        theirs = {t["id"]: t["logprob"] for t in ref["top_logprobs"]}
-        ours = {t["id"]: t["logprob"] for t in mine["top_logprobs"]}
-        theirs.setdefault(ref["id"], ref["logprob"])
-        ours.setdefault(mine["id"], mine["logprob"])
-        common = theirs.keys() & ours.keys()
-        if not common:
-            raise Mismatch(f"position {i}: no token in common between the top lists {ours} and {theirs}")
-        here = max(abs(theirs[t] - ours[t]) for t in common)
-        if here > tolerance:
-            raise Mismatch(f"position {i}: log-probabilities differ by {here:.4f} (> {tolerance}): "
-                           f"cached {ours}, fresh {theirs}")
+        ours, theirs, here = compare_position(i, mine, ref, tolerance, with_chosen=True)
         drift = max(drift, here)
         if mine["id"] != ref["id"]:
             # Rounding may swap two tokens only where the fresh read holds them nearly level.
@@ -83,15 +92,7 @@ def match_sampled_until_fork(got: list[dict], fresh: list[dict], tolerance: floa
     both reads hold as candidates (each in the other's top list). Returns the fork's position (None:
     none); raises Mismatch otherwise."""
     for i, (mine, ref) in enumerate(zip(got, fresh)):
-        theirs = {t["id"]: t["logprob"] for t in ref["top_logprobs"]}
-        ours = {t["id"]: t["logprob"] for t in mine["top_logprobs"]}
-        common = theirs.keys() & ours.keys()
-        if not common:
-            raise Mismatch(f"position {i}: no token in common between the top lists {ours} and {theirs}")
-        here = max(abs(theirs[t] - ours[t]) for t in common)
-        if here > tolerance:
-            raise Mismatch(f"position {i}: log-probabilities differ by {here:.4f} (> {tolerance}): "
-                           f"drafted {ours}, plain {theirs}")
+        ours, theirs, _ = compare_position(i, mine, ref, tolerance, with_chosen=False)
         if mine["id"] != ref["id"]:
             if mine["id"] not in theirs or ref["id"] not in ours:
                 raise Mismatch(f"position {i}: the answers forked to {mine['id']} and {ref['id']}, not both "
