@@ -14,7 +14,8 @@ prediction alone never fills the queue) and never stream. Each answer goes into 
 instance's place, its bytes as they came (nothing parsed twice), errors included, as llama-server
 does; an instance that could not be run at all is an error in its place, the others go on. The
 prediction itself is a 200 unless its own body is wrong. A client that goes away cancels the
-prediction, which closes the instances' connections and so cancels them.
+prediction, which closes the instances' connections and so cancels them. The answers are written in
+order as they are ready, and together may hold at most MAX_PREDICTION_BYTES.
 """
 
 from __future__ import annotations
@@ -33,6 +34,9 @@ from daemon.http.keys import SETTINGS
 
 MAX_INSTANCES = 128  # llama-server's bound
 CONCURRENT_INSTANCES = 8  # at once per prediction; the rest wait their turn
+# The answers one prediction may hold (they wait for the ones before them to be written): 128 instances
+# of per-token embeddings could otherwise hold gigabytes. Past it, an instance's answer is an error.
+MAX_PREDICTION_BYTES = 128 * 2**20
 PREDICT_SESSION = web.AppKey("predict_session", aiohttp.ClientSession)
 ROUTES_BY_FORMAT = web.AppKey("predict_routes_by_format", dict)
 # Forwarded to the instance's request: who calls (the key) and how they named this daemon (the Host check).
@@ -69,7 +73,15 @@ def _error(message: str, status: int = 400) -> bytes:
     return msgspec.json.encode(ApiError(status, message, "invalid_value").body())
 
 
-async def _run_instance(request: web.Request, base: str, instance: Any, turn: asyncio.Semaphore) -> bytes:
+class _Budget:
+    """The bytes a prediction's answers may still take."""
+
+    def __init__(self, limit: int) -> None:
+        self.left = limit
+
+
+async def _run_instance(request: web.Request, base: str, instance: Any, turn: asyncio.Semaphore,
+                        budget: _Budget) -> bytes:
     """The instance's answer as JSON bytes, spliced into the predictions as they are (never parsed again)."""
     if not isinstance(instance, dict):
         return _error("each instance must be a JSON object")
@@ -88,11 +100,22 @@ async def _run_instance(request: web.Request, base: str, instance: Any, turn: as
     try:
         async with turn, request.app[PREDICT_SESSION].post(base + path, data=msgspec.json.encode(payload),
                                                            headers=headers) as answer:
-            raw = await answer.read()
+            chunks = []
+            async for chunk in answer.content.iter_any():
+                budget.left -= len(chunk)
+                if budget.left < 0:  # closing the connection cancels the instance's request
+                    return msgspec.json.encode(ApiError(
+                        413, f"the prediction's answers are over {MAX_PREDICTION_BYTES >> 20} MiB together: this "
+                             "instance's answer is left out; send fewer or smaller instances",
+                        "prediction_too_large").body())
+                chunks.append(chunk)
+            raw = b"".join(chunks)
             if answer.content_type == "application/json" and raw:
                 return raw
             return msgspec.json.encode(raw.decode("utf-8", errors="replace") if raw else None)
-    except (aiohttp.ClientError, OSError, ValueError) as exc:  # this instance's failure, not the others'
+    except asyncio.CancelledError:
+        raise
+    except Exception as exc:  # this instance's failure (a broken connection, the session closing), not the others'
         return msgspec.json.encode(ApiError(502, f"the instance could not be run: {type(exc).__name__}",
                                             "instance_failed").body())
 
@@ -108,7 +131,7 @@ def _base_url(request: web.Request) -> str:
     return f"http://{host}:{sockname[1]}"
 
 
-async def predict(request: web.Request) -> web.Response:
+async def predict(request: web.Request) -> web.StreamResponse:
     try:
         data = json.loads(await request.read())
     except (ValueError, RecursionError):
@@ -123,15 +146,31 @@ async def predict(request: web.Request) -> web.Response:
                        "invalid_value", "instances")
     base = _base_url(request)
     # A few at a time: a prediction of 128 instances must not fill the queue (max_queued) alone.
-    turn = asyncio.Semaphore(CONCURRENT_INSTANCES)
-    answers = await asyncio.gather(*(_run_instance(request, base, instance, turn) for instance in instances))
-    return web.Response(body=b'{"predictions":[' + b",".join(answers) + b"]}", content_type="application/json")
+    turn, budget = asyncio.Semaphore(CONCURRENT_INSTANCES), _Budget(MAX_PREDICTION_BYTES)
+    tasks = [asyncio.ensure_future(_run_instance(request, base, instance, turn, budget)) for instance in instances]
+    try:
+        response = web.StreamResponse(headers={"Content-Type": "application/json"})
+        await response.prepare(request)
+        await response.write(b'{"predictions":[')
+        for i, task in enumerate(tasks):  # in order, each as soon as it and those before it are done
+            answer = await task
+            await response.write(b"," + answer if i else answer)
+            tasks[i] = None  # its bytes go with it
+        await response.write(b"]}")
+        await response.write_eof()
+        return response
+    finally:
+        for task in tasks:
+            if task is not None:
+                task.cancel()  # the client went away: the instances still running go too
 
 
 async def _session(app: web.Application) -> AsyncIterator[None]:
     # No total timeout: an instance takes as long as its answer (the prediction's client bounds it).
+    # No connection limit across predictions (each runs CONCURRENT_INSTANCES at once): a shared pool of 100
+    # would let a few slow predictions hold every other client's instances in its wait.
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_connect=10),
-                                     auto_decompress=True) as session:
+                                     connector=aiohttp.TCPConnector(limit=0), auto_decompress=True) as session:
         app[PREDICT_SESSION] = session
         yield
 
@@ -140,9 +179,16 @@ HEALTH_PATHS = ("/health", "/v1/health")  # already /health: a health route nami
 
 
 def _route_taken(app: web.Application, path: str) -> bool:
-    """Whether Dormouse serves `path` already, by any method (the keys a route needs go by its path)."""
-    return any(route.resource is not None and route.resource.get_info().get("path") == path
-               for route in app.router.routes())
+    """Whether Dormouse serves `path` already, by any method, a route with a parameter (/slots/{id}) too:
+    the keys a route needs go by its path."""
+    for resource in app.router.resources():
+        info = resource.get_info()
+        pattern = info.get("pattern")
+        if info.get("path") == path or (pattern is not None and pattern.fullmatch(path)):
+            return True
+        if "prefix" in info and (path == info["prefix"] or path.startswith(info["prefix"].rstrip("/") + "/")):
+            return True  # a static folder
+    return False
 
 
 def add_routes(app: web.Application) -> None:

@@ -51,7 +51,8 @@ class EmbeddingQueue:
 
     def _check_token_vectors(self, msg: p.Query) -> None:
         """pooling none: the whole answer's numbers, counted before anything is decoded (tokenizing is
-        cheap and bounded by the batch), so that a request past the bound costs no decode at all."""
+        cheap and bounded by the batch), so that a request past the bound costs no decode at all. The count
+        stops at the bound: this step tokenizes at most the bound's worth of tokens (and one input)."""
         limit = self._embedding_limit()
         tokens = 0
         for item in msg.inputs:
@@ -62,7 +63,7 @@ class EmbeddingQueue:
                     tokens += limit  # past the batch: refused (or cut to it) when its turn comes
             else:
                 tokens += min(len(item), limit)
-        self._refuse_past_vector_bound(tokens * self.n_embd)
+            self._refuse_past_vector_bound(tokens * self.n_embd)
 
     @staticmethod
     def _refuse_past_vector_bound(floats: int) -> None:

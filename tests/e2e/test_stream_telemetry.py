@@ -88,6 +88,11 @@ def test_responses_stream_progress_and_timings(daemon):
     progress = [e for e in events if "prompt_progress" in e]
     assert all(e["type"] == "response.in_progress" for e in progress)
     check_progress([e["prompt_progress"] for e in progress])
+    # each names the response without echoing the request again (created had it whole)
+    created = next(e for e in events if e["type"] == "response.created")["response"]
+    assert all(e["response"] == {"id": created["id"], "object": "response", "created_at": created["created_at"],
+                                 "status": "in_progress"} for e in progress)
+    assert "instructions" in created and "tools" in created
     deltas = [e for e in events if e["type"] == "response.output_text.delta"]
     assert deltas and all("predicted_per_second" in e["timings"] for e in deltas)
     completed = events[-1]

@@ -93,10 +93,11 @@ async def test_off_by_default():
         assert (await client.post("/predict", json={"instances": [CHAT]})).status == 404
 
 
-@pytest.mark.parametrize("route", ["/v1/chat/completions", "/completion", "/props", "/sleep"])
+@pytest.mark.parametrize("route", ["/v1/chat/completions", "/completion", "/props", "/sleep", "/slots/0",
+                                   "/v1/models/fake"])
 async def test_a_route_dormouse_serves_cannot_be_the_prediction_route_nor_the_health_route(route):
-    """By any method: the keys a route needs go by its path (a GET alias of /health on POST
-    /v1/chat/completions would open chat to the metrics key)."""
+    """By any method, a route with a parameter too: the keys a route needs go by its path (a GET alias of
+    /health on POST /v1/chat/completions, or on POST /slots/0, would open them to the metrics key)."""
     with pytest.raises(RouteTaken, match="already a route"):
         async with daemon(predict_route=route):
             pass
@@ -135,6 +136,17 @@ async def test_ollamas_routes_answer_one_body_and_a_failed_instance_leaves_the_o
         assert r.status == 200 and failed["error"]["code"] == "instance_failed"
         assert chat["object"] == "chat.completion" and "JSON object" in wrong["error"]["message"]
 
+        def closing(session, url, **kwargs):  # what a session closing at shutdown raises: no ClientError
+            if str(url).endswith("/tokenize"):
+                raise RuntimeError("Session is closed")
+            return post(session, url, **kwargs)
+
+        monkeypatch.setattr(aiohttp.ClientSession, "post", closing)
+        r = await client.post("/predict", json={"instances": [{"@requestFormat": "tokenize", "content": "x"}, CHAT, 5]})
+        failed, chat, wrong = (await r.json())["predictions"]
+        assert r.status == 200 and failed["error"]["code"] == "instance_failed"
+        assert chat["object"] == "chat.completion" and "JSON object" in wrong["error"]["message"]
+
 
 async def test_answers_are_spliced_as_they_came_non_ascii_included():
     async with daemon(predict_route="/predict") as (_, client):
@@ -164,3 +176,20 @@ def test_vertex_ais_variables():
     for port in ("0", "65536", "http", "-1", "9" * 40):
         with pytest.raises(VertexAIError, match="AIP_HTTP_PORT"):
             vertex_settings({"AIP_MODE": "PREDICTION", "AIP_HTTP_PORT": port})
+
+
+async def test_the_answers_of_one_prediction_are_bounded_together(monkeypatch):
+    """128 instances of large answers (per-token embeddings) must not hold gigabytes: past the bound an
+    instance's answer is an error in its place, and what came before it is written whole."""
+    import daemon.http.vertex_predict as vertex_predict
+
+    async with daemon(predict_route="/predict") as (_, client):
+        one = await client.post("/predict", json={"instances": [{"@requestFormat": "tokenize", "content": "x" * 40}]})
+        size = len(await one.read())
+        monkeypatch.setattr(vertex_predict, "MAX_PREDICTION_BYTES", size * 3)
+        r = await client.post("/predict", json={"instances": [{"@requestFormat": "tokenize", "content": "x" * 40}] * 8})
+        out = (await r.json())["predictions"]
+        assert r.status == 200 and len(out) == 8
+        too_large = [p for p in out if "error" in p]
+        assert 0 < len(too_large) < 8 and all(p["error"]["code"] == "prediction_too_large" for p in too_large)
+        assert all(isinstance(p["tokens"], list) for p in out if "error" not in p)

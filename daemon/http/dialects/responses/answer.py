@@ -178,7 +178,11 @@ class OutputStream:
                 await self._forced_delta(delta)
         elif isinstance(event, Progress):  # return_progress: llama-server says it with response.in_progress
             extra = {"timings": event.timings()} if self.shape.timings_per_token else {}
-            await self.events.send("response.in_progress", response=self.shape.response("in_progress", []),
+            # The response named, not echoed again (response.created had it whole): a long prompt sends one
+            # of these per chunk read, and a request's tools or instructions could be megabytes.
+            named = {"id": self.shape.id, "object": "response", "created_at": self.shape.created_at,
+                     "status": "in_progress"}
+            await self.events.send("response.in_progress", response=named,
                                    prompt_progress=event.prompt_progress(), **extra)
         elif isinstance(event, End):
             status = await self.finish(event)
