@@ -122,30 +122,21 @@ async def test_ollamas_routes_answer_one_body_and_a_failed_instance_leaves_the_o
         chat_ollama, chat = (await r.json())["predictions"]
         assert chat_ollama["done"] is True and chat_ollama["message"]["role"] == "assistant"
         assert chat["object"] == "chat.completion"
-        # an instance whose connection breaks (the daemon's socket, a forwarded header) fails in its place alone
+        # An instance whose connection breaks (the daemon's socket, a forwarded header), or whose session
+        # closes at shutdown (a RuntimeError, no ClientError), fails in its place alone.
         post = aiohttp.ClientSession.post
+        for failure in (aiohttp.ServerDisconnectedError(), RuntimeError("Session is closed")):
+            def failing(session, url, failure=failure, **kwargs):
+                if str(url).endswith("/tokenize"):
+                    raise failure
+                return post(session, url, **kwargs)
 
-        def breaking(session, url, **kwargs):
-            if str(url).endswith("/tokenize"):
-                raise aiohttp.ServerDisconnectedError()
-            return post(session, url, **kwargs)
-
-        monkeypatch.setattr(aiohttp.ClientSession, "post", breaking)
-        r = await client.post("/predict", json={"instances": [{"@requestFormat": "tokenize", "content": "x"}, CHAT, 5]})
-        failed, chat, wrong = (await r.json())["predictions"]
-        assert r.status == 200 and failed["error"]["code"] == "instance_failed"
-        assert chat["object"] == "chat.completion" and "JSON object" in wrong["error"]["message"]
-
-        def closing(session, url, **kwargs):  # what a session closing at shutdown raises: no ClientError
-            if str(url).endswith("/tokenize"):
-                raise RuntimeError("Session is closed")
-            return post(session, url, **kwargs)
-
-        monkeypatch.setattr(aiohttp.ClientSession, "post", closing)
-        r = await client.post("/predict", json={"instances": [{"@requestFormat": "tokenize", "content": "x"}, CHAT, 5]})
-        failed, chat, wrong = (await r.json())["predictions"]
-        assert r.status == 200 and failed["error"]["code"] == "instance_failed"
-        assert chat["object"] == "chat.completion" and "JSON object" in wrong["error"]["message"]
+            monkeypatch.setattr(aiohttp.ClientSession, "post", failing)
+            r = await client.post("/predict", json={"instances": [{"@requestFormat": "tokenize", "content": "x"},
+                                                                  CHAT, 5]})
+            failed, chat, wrong = (await r.json())["predictions"]
+            assert r.status == 200 and failed["error"]["code"] == "instance_failed"
+            assert chat["object"] == "chat.completion" and "JSON object" in wrong["error"]["message"]
 
 
 async def test_answers_are_spliced_as_they_came_non_ascii_included():
