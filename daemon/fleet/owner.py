@@ -131,6 +131,8 @@ class Fleet:
         for m in models:
             for name in (m.id, *m.aliases):
                 self._names[name] = m
+        # Each alias -> its model's id: the HAProxy agent resolves a line's name as route() does.
+        self.aliases = {name: m.id for name, m in self._names.items() if name != m.id}
         self._pending: deque[PendingLoad] = deque()
         self._last_wait: dict[str, str] = {}
         self._held_for: dict[str, str] = {}  # model whose new requests are held -> the model it drains for
@@ -154,11 +156,6 @@ class Fleet:
         if model is None:
             raise UnknownModel(name, list(self.models))
         return model
-
-    @property
-    def aliases(self) -> dict[str, str]:
-        """Each alias -> its model's id (the HAProxy agent resolves a line's name as route() does)."""
-        return {name: m.id for name, m in self._names.items() if name != m.id}
 
     @property
     def controllers(self) -> list[Controller]:

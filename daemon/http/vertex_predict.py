@@ -113,8 +113,6 @@ async def _run_instance(request: web.Request, base: str, instance: Any, turn: as
             if answer.content_type == "application/json" and raw:
                 return raw
             return msgspec.json.encode(raw.decode("utf-8", errors="replace") if raw else None)
-    except asyncio.CancelledError:
-        raise
     except Exception as exc:  # this instance's failure (a broken connection, the session closing), not the others'
         return msgspec.json.encode(ApiError(502, f"the instance could not be run: {type(exc).__name__}",
                                             "instance_failed").body())
@@ -186,8 +184,6 @@ def _route_taken(app: web.Application, path: str) -> bool:
         pattern = info.get("pattern")
         if info.get("path") == path or (pattern is not None and pattern.fullmatch(path)):
             return True
-        if "prefix" in info and (path == info["prefix"] or path.startswith(info["prefix"].rstrip("/") + "/")):
-            return True  # a static folder
     return False
 
 
