@@ -44,6 +44,22 @@ from config.llama_options import LlamaOptions
 MODEL_ID = re.compile(r"^(?=.{1,128}$)[A-Za-z0-9][A-Za-z0-9._:-]*(?:/[A-Za-z0-9][A-Za-z0-9._:-]*)*$")
 MODEL_ID_RULE = "1-128 letters, digits, '.', '_', ':' or '-', parts joined by '/' (owner/name:QUANT)"
 
+# A model's tags (llama-server's --tags): labels /v1/models shows, never read for routing.
+MAX_TAGS = 32
+TAG = re.compile(r"^[^,\x00-\x1f\x7f]{1,64}$")
+TAG_RULE = "1-64 characters, no comma and no control character"
+
+
+def check_tags(tags: list[str]) -> list[str]:
+    """Each tag once, in the order given; stripped of the spaces around it (as a comma list leaves them)."""
+    out: list[str] = []
+    for tag in tags:
+        if not isinstance(tag, str) or not TAG.fullmatch(tag.strip()):
+            raise ValueError(f"tag {str(tag)[:80]!r} must be {TAG_RULE}")
+        if tag.strip() not in out:
+            out.append(tag.strip())
+    return out
+
 
 def model_dir_name(model_id: str) -> str:
     """The one path component a model's own directories are named by (its prompt cache under
@@ -58,7 +74,7 @@ _UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
 PER_MODEL_KEYS = ("model_draft", "mmproj", "ctx_size", "parallel", "threads", "n_gpu_layers", "batch_size",
                   "chat_template_file", "chat_template", "draft_max", "draft_min", "draft_p_min", "cpu_repack", "warmup",
                   "sleep_idle_seconds", "spawn_ahead", "embeddings", "pooling", "cache_deterministic",
-                  "cache_checkpoint_every", "drowsy_after", "deep_after", "load_mode", "llama_options")
+                  "cache_checkpoint_every", "drowsy_after", "deep_after", "load_mode", "llama_options", "tags")
 
 # llama.cpp's built-in chat templates, by name (its llama_chat_builtin_templates;
 # tests/unit/test_chat_templates.py checks this copy against the library).
@@ -113,6 +129,8 @@ class ModelSettings(BaseModel):
     hf_file: str | None = Field(None, max_length=1024, description="with hf: this .gguf of the repository")
     llama_options: LlamaOptions | None = Field(None, description="laid over the top-level llama_options")
     aliases: list[str] = Field(default_factory=list, max_length=32, description="other names requests may use")
+    tags: list[str] | None = Field(None, max_length=MAX_TAGS, description="labels /v1/models shows beside the model "
+                                   "(llama-server's --tags), never read for routing; over the top-level tags")
     pinned: bool = Field(False, description="never put to sleep to make room for another model")
     model_draft: Path | None = None
     mmproj: Path | None = None
@@ -145,6 +163,11 @@ class ModelSettings(BaseModel):
             if not MODEL_ID.fullmatch(alias):
                 raise ValueError(f"alias {alias!r} must be {MODEL_ID_RULE}")
         return aliases
+
+    @field_validator("tags")
+    @classmethod
+    def _tags(cls, tags: list[str] | None) -> list[str] | None:
+        return None if tags is None else check_tags(tags)
 
     @field_validator("sleep_idle_seconds", "drowsy_after", "deep_after")
     @classmethod

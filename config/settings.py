@@ -33,7 +33,8 @@ KEY_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 
 from config.models_dir import with_models_dir  # noqa: E402
 from config.network import MAX_HOSTS, admin_key_problem, host_list, is_loopback_host, normalize_host, normalize_origin  # noqa: E402,F401
-from config.models import MODEL_ID, ModelSettings, check_chat_template, check_model_ids, parse_size  # noqa: E402
+from config.models import (MAX_TAGS, MODEL_ID, ModelSettings, check_chat_template, check_model_ids, check_tags,  # noqa: E402
+                           parse_size)
 from config.sources import find_config_file  # noqa: E402
 from config.llama_options import LlamaOptions  # noqa: E402
 from config.template_kwargs import check_template_kwargs  # noqa: E402
@@ -140,6 +141,10 @@ class Settings(BaseSettings):
                     "CORS headers and every route answers the OPTIONS preflight; \"*\" allows any origin, \"localhost\" "
                     "every origin on a loopback host (localhost, 127.0.0.1, [::1]) and any port; empty: "
                     "none (a cross-origin POST is 403). A list, or origins separated by commas. Keys still apply")
+    tags: Annotated[list[str], NoDecode] = Field(
+        default_factory=list, max_length=MAX_TAGS,
+        description="labels /v1/models shows beside each model (llama-server's --tags): informational, never read "
+                    "for routing; a [models.ID] table's tags replace them. A list, or labels separated by commas")
     metrics_key: SecretStr | None = Field(
         None, description="Bearer key for /health and /metrics; none: both open. Probes and scrapers must then send it")
     max_image_pixels: int = Field(16_777_216, ge=1, le=2**30,
@@ -389,6 +394,16 @@ class Settings(BaseSettings):
                     raise ValueError("is neither a JSON list nor names separated by commas") from None
             return [name for name in (part.strip() for part in value.split(",")) if name]
         return value
+
+    @field_validator("tags", mode="before")
+    @classmethod
+    def _tag_list(cls, value: Any) -> Any:
+        return cls._host_list(value)
+
+    @field_validator("tags")
+    @classmethod
+    def _tags(cls, value: list[str]) -> list[str]:
+        return check_tags(value)
 
     @field_validator("cors_origins", mode="before")
     @classmethod

@@ -292,7 +292,8 @@ OPTIONS: tuple[Option, ...] = (
     opt("-a --alias", "LLAMA_ARG_ALIAS", "string", custom(
         "mapped", "mapped to `models`: the first name is the model's id, the others its aliases",
             handlers.model_aliases)),
-    opt("--tags", "LLAMA_ARG_TAGS", "string", accepted("tags are informational in llama-server; Dormouse shows none")),
+    opt("--tags", "LLAMA_ARG_TAGS", "string", setting("tags", comma_list,
+        "mapped to `tags` (labels /v1/models and /models show; informational, as in llama-server)")),
     opt("-m --model", "LLAMA_ARG_MODEL", "string", setting("model")),
     opt("-mu --model-url", "LLAMA_ARG_MODEL_URL", "string", refused(DOWNLOADS)),
     opt("-dr --docker-repo", "LLAMA_ARG_DOCKER_REPO", "string", refused(DOWNLOADS)),

@@ -67,7 +67,8 @@ def build_fleet(settings: Settings, plans: list[ModelPlan], families: MetricFami
     by_id = {plan.id: plan for plan in plans}
     for plan in plans:
         controller = Controller(plan.settings, plan.model_path, Metrics(families, plan.id), log, model_id=plan.id)
-        model = FleetModel(plan.id, controller, plan.predicted_bytes, plan.aliases, plan.pinned, plan.load_at_start)
+        model = FleetModel(plan.id, controller, plan.predicted_bytes, plan.aliases, plan.pinned, plan.load_at_start,
+                           tags=tuple(plan.settings.tags))
         if plan.measured and _stands(plan, plan.measured, budget.bytes):
             model.measured_components = counted(plan.predicted, plan.measured).components()
             model.measured_bytes = sum(model.measured_components.values())

@@ -79,6 +79,7 @@ class FleetModel:
     aliases: tuple[str, ...] = ()
     pinned: bool = False
     load_at_start: bool = False
+    tags: tuple[str, ...] = ()  # labels /v1/models shows (llama-server's --tags); never read for routing
     measured_bytes: int | None = None
     measured_components: dict[str, int] | None = None
     last_used: float = 0.0  # monotonic time its last request ended, or it last loaded
@@ -490,7 +491,7 @@ class Fleet:
 
     def describe(self, model: FleetModel) -> dict[str, Any]:
         c = model.controller
-        return {"id": model.id, "aliases": list(model.aliases), "status": model.status,
+        return {"id": model.id, "aliases": list(model.aliases), "tags": list(model.tags), "status": model.status,
                 "state": str(c.state), "tier": c.sleep_tier,
                 "pinned": model.pinned,
                 "footprint_bytes": {"predicted": model.predicted_bytes, "measured": model.measured_bytes},

@@ -213,14 +213,17 @@ def test_a_router_command_line_serves_a_models_dir_and_presets_within_models_max
     os.symlink(bundled_model, models / "gemma-a.gguf")
     os.symlink(bundled_model, models / "gemma-b" / "gemma-b.gguf")
     preset = tmp_path / "presets.ini"
-    preset.write_text(f"version = 1\n[*]\nc = 512\n\n[gemma-c]\nmodel = {bundled_model}\nc = 256\nalias = tiny\n")
-    d = DaemonProcess("--models-dir", str(models), "--models-preset", str(preset), "--models-max", "1",
+    preset.write_text(f"version = 1\n[*]\nc = 512\n\n[gemma-c]\nmodel = {bundled_model}\nc = 256\nalias = tiny\n"
+                      "tags = chat, small\n")
+    d = DaemonProcess("--models-dir", str(models), "--models-preset", str(preset), "--models-max", "1", "--tags", "local",
                       "--no-models-autoload", "-np", "1", "--threads", "2", "--config", os.devnull,
                       log_path=tmp_path / "daemon.log")
     try:
         d.wait_state("ready", "sleeping", timeout=120)
         listed = {m["id"]: m["aliases"] for m in d.http.get("/v1/models").json()["data"]}
         assert listed == {"gemma-c": ["tiny"], "gemma-a": [], "gemma-b": []}
+        tags = {m["id"]: m["tags"] for m in d.http.get("/models").json()["data"]}  # a section's over the line's
+        assert tags == {"gemma-c": ["chat", "small"], "gemma-a": ["local"], "gemma-b": ["local"]}
         assert d.http.get("/props", params={"model": "tiny"}).json()["n_ctx"] == 256
         assert d.http.get("/props", params={"model": "gemma-b"}).json()["n_ctx"] == 512
         props = d.http.get("/props").json()

@@ -36,12 +36,17 @@ def statuses(listing: dict) -> dict[str, str]:
 
 
 async def test_models_are_listed_with_their_status_and_listing_wakes_nothing():
-    async with fake_fleet(THREE, memory_budget=100 * GiB) as (fleet, client):
+    tagged = {**THREE, "chat": {**THREE["chat"], "tags": ["fast", "small"]}}
+    async with fake_fleet(tagged, memory_budget=100 * GiB, tags=["local"]) as (fleet, client):
         await until(lambda: fleet.models["chat"].controller.state is ServerState.READY)
         listing = await (await client.get("/v1/models")).json()
         assert statuses(listing) == {"chat": "loaded", "coder": "sleeping", "tiny": "sleeping"}
         chat = next(m for m in listing["data"] if m["id"] == "chat")
         assert chat["aliases"] == ["gpt-4o-mini"] and chat["default"] is True
+        # tags: a table's replace the top level's; /models (llama-server's spelling) is the same list
+        assert {m["id"]: m["tags"] for m in listing["data"]} == {"chat": ["fast", "small"], "coder": ["local"],
+                                                                   "tiny": ["local"]}
+        assert (await (await client.get("/models")).json())["data"] == listing["data"]
         assert statuses(await (await client.get("/v1/models")).json())["coder"] == "sleeping"
 
 

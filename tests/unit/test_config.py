@@ -101,6 +101,19 @@ def test_allowed_hosts_are_normalised(tmp_path, monkeypatch, toml, env, expected
 
 
 @pytest.mark.parametrize(
+    "toml,env,expected,table",
+    [
+        ('tags = ["chat", " small ", "chat"]\n[models.m]\n', {}, ["chat", "small"], None),
+        ("[models.m]\ntags = []\n", {"DORMOUSE_TAGS": "chat, fim,,small"}, ["chat", "fim", "small"], []),
+        ('[models.m]\ntags = ["code"]\n', {"DORMOUSE_TAGS": '["a b", "c"]'}, ["a b", "c"], ["code"]),
+    ],
+)
+def test_tags_are_kept_once_in_order_and_a_table_replaces_them(tmp_path, monkeypatch, toml, env, expected, table):
+    settings = _load(tmp_path, toml, env, monkeypatch)
+    assert settings.tags == expected and settings.models["m"].tags == table
+
+
+@pytest.mark.parametrize(
     "toml,env,needle",
     [
         ("allowed_hosts = 5", {}, "allowed_hosts: Input should be a valid list (from config file"),
@@ -130,6 +143,15 @@ def test_allowed_hosts_are_normalised(tmp_path, monkeypatch, toml, env, expected
         ("max_images_per_request = 1000000000", {}, "less than or equal to 1024"),
         ("max_images_per_request = false", {}, "not a boolean"),
         ("", {"DORMOUSE_MAX_IMAGES_PER_REQUEST": "lots"}, "(from environment DORMOUSE_MAX_IMAGES_PER_REQUEST)"),
+        ('tags = ["a,b"]', {}, "tags: Value error, tag 'a,b' must be 1-64 characters, no comma"),
+        ('tags = ["  "]', {}, "must be 1-64 characters"),
+        ('tags = ["bell\\u0007"]', {}, "no control character"),
+        (f'tags = ["{"t" * 65}"]', {}, "must be 1-64 characters"),
+        ("tags = [" + ", ".join(f'"t{i}"' for i in range(33)) + "]", {}, "tags: List should have at most 32 items"),
+        ("tags = [5]", {}, "tags.0: Input should be a valid string"),
+        ("tags = true", {}, "tags: Input should be a valid list"),
+        ('[models.m]\ntags = ["x\\ny"]', {}, "models.m.tags: Value error, tag 'x\\ny'"),
+        ("", {"DORMOUSE_TAGS": "[not json"}, "neither a JSON list nor names separated by commas"),
     ],
 )
 def test_hostile_access_and_image_settings_name_the_key(tmp_path, monkeypatch, toml, env, needle):

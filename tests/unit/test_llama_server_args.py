@@ -55,7 +55,7 @@ SAMPLES: dict[str, tuple[str, dict]] = {
     "-fit": ("off", {}),
     "--api-key-file": ("/dev/null", {}),
     "-a": ("chat, gpt-4o", {"models": {"chat": {"aliases": ["gpt-4o"]}}}),
-    "--tags": ("a,b", {}),
+    "--tags": ("a, b", {"tags": ["a", "b"]}),
     "-m": ("/models/m.gguf", {"model": "/models/m.gguf"}),
     "-hf": ("ggml-org/gemma-3-270m-GGUF:Q8_0", {"hf_repo": "ggml-org/gemma-3-270m-GGUF:Q8_0"}),
     "-hff": ("model.gguf", {"hf_file": "model.gguf"}),
