@@ -53,7 +53,7 @@ WORKER_OWNED: dict[str, str] = {
     "n_outputs_max": "the worker reserves logit rows for one token per slot (514 MiB of compute buffer otherwise)",
     "n_outputs_max_per_seq": "the worker reserves logit rows for one token per slot",
     "n_threads": "set from threads (-t)",
-    "kv_unified": "kept off: one KV stream per slot is how the prompt cache keeps slots apart",
+    "kv_unified": "set from kv_unified (-kvu): one KV stream per slot, or one pool they share",
     "swa_full": "kept on: a live slot must never lose sliding-window positions the prompt cache counts on",
     "embeddings": "set from embeddings (--embeddings)",
     "pooling_type": "set from pooling (--pooling)",

@@ -73,7 +73,7 @@ _UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
 # The keys a [models.ID] table may set; the rest of the settings are the daemon's.
 PER_MODEL_KEYS = ("model_draft", "mmproj", "ctx_size", "parallel", "threads", "n_gpu_layers", "batch_size",
                   "chat_template_file", "chat_template", "draft_max", "draft_min", "draft_p_min", "cpu_repack", "warmup",
-                  "sleep_idle_seconds", "spawn_ahead", "embeddings", "pooling", "cache_deterministic",
+                  "sleep_idle_seconds", "spawn_ahead", "embeddings", "pooling", "cache_deterministic", "kv_unified",
                   "cache_checkpoint_every", "drowsy_after", "deep_after", "load_mode", "llama_options", "tags")
 
 # llama.cpp's built-in chat templates, by name (its llama_chat_builtin_templates;
@@ -154,6 +154,7 @@ class ModelSettings(BaseModel):
     embeddings: bool | None = None
     pooling: Literal["none", "mean", "cls", "last", "rank"] | None = None
     cache_deterministic: bool | None = None
+    kv_unified: bool | None = None
     cache_checkpoint_every: int | None = Field(None, ge=0, le=2**24)
 
     @field_validator("aliases")

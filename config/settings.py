@@ -67,6 +67,12 @@ class Settings(BaseSettings):
     mmproj: Path | None = Field(None, description="multimodal projector GGUF")
     ctx_size: int = Field(4096, ge=64, description="total context, shared by the slots")
     parallel: int = Field(4, ge=1, le=256, description="slots: requests served at once, each with ctx_size / parallel tokens of context")
+    kv_unified: bool = Field(
+        False, description="true: the slots share one KV pool of ctx_size tokens (llama-server's -kvu), so one "
+                           "conversation may grow to ctx_size while the others are short; when the pool is full, "
+                           "idle slots' prompts leave it (to the prompt cache's RAM tier) and then the request "
+                           "holding the most of it ends with context_full. Not with cache_deterministic. "
+                           "false: each slot has its own ctx_size / parallel")
     threads: int | None = Field(None, ge=1, description="CPU threads; default: all cores")
     n_gpu_layers: int = Field(-1, ge=-1, description="layers on the GPU; -1 all")
     batch_size: int = Field(512, ge=1, description="tokens per decode step (llama.cpp's n_batch): larger reads long prompts faster and takes more compute memory")
@@ -299,6 +305,21 @@ class Settings(BaseSettings):
                              f"({', '.join(self.models) or 'there are none'})")
         return self
 
+    @model_validator(mode="after")
+    def _unified_kv_is_not_deterministic(self) -> "Settings":
+        # A shared pool puts a slot's cells wherever they are free, among the other slots' cells: llama.cpp's
+        # attention then sums them in another order than a fresh read, so no answer is promised bit for bit.
+        tables = [(f"[models.{model_id}]: ", table) for model_id, table in self.models.items()] or [("", None)]
+        for where, table in tables:
+            unified = table.kv_unified if table is not None and table.kv_unified is not None else self.kv_unified
+            exact = table.cache_deterministic if table is not None and table.cache_deterministic is not None \
+                else self.cache_deterministic
+            if unified and exact:
+                raise ValueError(f"{where}kv_unified and cache_deterministic cannot both be true: in a shared KV "
+                                 "pool a slot's cells sit among the others', and a fresh read's answer is not "
+                                 "promised bit for bit")
+        return self
+
     @field_validator("host")
     @classmethod
     def _hosts(cls, value: str) -> str:
@@ -310,6 +331,11 @@ class Settings(BaseSettings):
     @property
     def hosts(self) -> list[str]:
         return host_list(self.host)
+
+    @property
+    def slot_context(self) -> int:
+        """A slot's context until a worker reports llama.cpp's own: the shared pool, or the slot's share."""
+        return self.ctx_size if self.kv_unified else self.ctx_size // self.parallel
 
     @model_validator(mode="after")
     def _admin_key_off_loopback(self) -> "Settings":

@@ -147,7 +147,7 @@ OPTIONS: tuple[Option, ...] = (
         custom("mapped", "mapped to `ctx_size` (0: the model's trained context, read from the GGUF)",
             handlers.context_size)),
     opt("--kv-unified-per-slot", "LLAMA_ARG_KV_UNIFIED_PER_SLOT", "int",
-        refused("slots never share a KV stream in Dormouse: -c is split evenly across -np")),
+        refused("a slot of the shared pool (-kvu) may grow to all of -c; no cap per slot")),
     opt("-n --predict --n-predict", "LLAMA_ARG_N_PREDICT", "int",
         setting("n_predict", handlers.n_predict, "mapped to `n_predict` (-2: -1)")),
     opt("-b --batch-size", "LLAMA_ARG_BATCH", "int", setting("batch_size")),
@@ -161,8 +161,9 @@ OPTIONS: tuple[Option, ...] = (
         setting("prompt_cache_ram_bytes",
             handlers.cache_ram_bytes, "mapped to `prompt_cache_ram_bytes` (MiB; -1 refused)")),
     opt("-kvu --kv-unified", "LLAMA_ARG_KV_UNIFIED", "switch", switch(
-        refused("one KV stream per slot is how Dormouse's prompt cache keeps slots apart"),
-        accepted("slots never share a KV stream in Dormouse")), negative="-no-kvu --no-kv-unified"),
+        setting("kv_unified", doc="mapped to `kv_unified = true`: the slots share one pool of -c tokens"),
+        setting("kv_unified", doc="mapped to `kv_unified = false`: each slot has -c / -np")),
+        negative="-no-kvu --no-kv-unified"),
     opt("--cache-idle-slots", "LLAMA_ARG_CACHE_IDLE_SLOTS", "switch", switch(
         accepted("a slot's prompt goes to the host-RAM tier when the slot is reused (prompt_cache_ram_bytes)"),
         refused("give -cram 0 to turn the host-RAM tier of the prompt cache off")),

@@ -71,6 +71,7 @@ class ModelSpec(msgspec.Struct, omit_defaults=True):
     embeddings: bool = False  # an embeddings model: a pooled context, no generation
     pooling: str = "mean"  # none (a vector per token), mean, cls, last, or rank (a reranker's head) (with embeddings)
     cache_deterministic: bool = False  # True: reuse whole prompt chunks only, the same greedy answer as a fresh read
+    kv_unified: bool = False  # True: the slots share one KV pool of ctx_size cells (llama.cpp's kv_unified)
     # A model with sliding-window layers keeps checkpoints of its window (worker/kv_cache.take_checkpoint)
     # at each prompt's end, each turn boundary and every this many prompt tokens (at a chunk's end); 0: not every N.
     cache_checkpoint_every: int = 1024

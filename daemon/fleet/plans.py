@@ -114,7 +114,7 @@ def add_footprints(plans: list[ModelPlan], store: FootprintStore | None, log=Non
             plan.predicted = predict(plan.model_path, ctx_size=s.ctx_size, parallel=s.parallel, model_draft=s.model_draft,
                                      mmproj=s.mmproj, n_gpu_layers=s.n_gpu_layers, batch_size=s.batch_size,
                                      draft_max=s.draft_max, embeddings=s.embeddings,
-                                     prompt_cache=s.kv_cache_disk_bytes > 0)
+                                     prompt_cache=s.kv_cache_disk_bytes > 0, kv_unified=s.kv_unified)
         except (GgufError, ValueError, OSError) as exc:
             plan.predicted_error = str(exc)
             if log is not None:
@@ -123,7 +123,7 @@ def add_footprints(plans: list[ModelPlan], store: FootprintStore | None, log=Non
             try:
                 plan.key = footprint_key(plan.model_path, s.ctx_size, s.parallel, model_draft=s.model_draft,
                                          mmproj=s.mmproj, n_gpu_layers=s.n_gpu_layers, batch_size=s.batch_size,
-                                         draft_max=s.draft_max, embeddings=s.embeddings)
+                                         draft_max=s.draft_max, embeddings=s.embeddings, kv_unified=s.kv_unified)
             except OSError:
                 continue
             plan.measured = store.get(plan.key)  # judged where it is used (server._stands, check-config)

@@ -145,7 +145,7 @@ class ModelShape:
 def predict(model_path: str | Path, *, ctx_size: int, parallel: int, cache_type_k: str = "f16",
             cache_type_v: str = "f16", model_draft: str | Path | None = None, mmproj: str | Path | None = None,
             n_gpu_layers: int = -1, batch_size: int = 512, draft_max: int = 16, swa_full: bool = True,
-            embeddings: bool = False, prompt_cache: bool = True) -> Footprint:
+            embeddings: bool = False, prompt_cache: bool = True, kv_unified: bool = False) -> Footprint:
     """Predict what loading this configuration holds at its peak, in bytes. Raises
     GgufError for a file that is not a sound GGUF or lacks what sizing needs,
     ValueError for a bad setting.
@@ -155,6 +155,7 @@ def predict(model_path: str | Path, *, ctx_size: int, parallel: int, cache_type_
     prompt_cache: slots are saved at sleep and restored after a wake
     (kv_cache_disk_bytes > 0, the default); counted on the host even when the KV
     cache is on a GPU, an over-estimate there of a few MB per 1k tokens of slot.
+    kv_unified: the slots share one stream of ctx_size cells, and one slot may fill it.
     """
     del n_gpu_layers
     if ctx_size < 1 or parallel < 1 or batch_size < 1:
@@ -163,7 +164,7 @@ def predict(model_path: str | Path, *, ctx_size: int, parallel: int, cache_type_
     header = read_header(model_path)
     shape = shape_of(header)
     context = dict(ctx_size=ctx_size, parallel=parallel, batch_size=batch_size, type_k=type_k, type_v=type_v,
-                   swa_full=swa_full)
+                   swa_full=swa_full, kv_unified=kv_unified)
     # The worker's main context is created allowing logits for every drafted token
     # plus one per slot (llama.cpp reserves its compute graph for that many), but
     # asks for at most one per slot, or one verification group, per decode.
@@ -177,7 +178,7 @@ def predict(model_path: str | Path, *, ctx_size: int, parallel: int, cache_type_
                              output_rows=max(parallel, VERIFY_GROUP) if model_draft else parallel)
     footprint = Footprint(model=weight_bytes(header), context=main)
     if prompt_cache and not embeddings:  # an embeddings model keeps no prompt in its slots
-        slot_cells, _, _ = _cells(ctx_size, parallel, batch_size, shape.n_swa, swa_full)  # a full slot
+        slot_cells, _, _ = _cells(ctx_size, _streams(parallel, kv_unified), batch_size, shape.n_swa, swa_full)  # a full slot
         state = saved_state_bytes(shape, slot_cells, type_k=type_k, type_v=type_v)
         footprint = replace(footprint, kv_transfer=KV_TRANSFER_COPIES * state)
     if model_draft:
@@ -295,10 +296,14 @@ def _pad(n: int, to: int = CELL_PAD) -> int:
     return -(-n // to) * to
 
 
-def _cells(ctx_size: int, parallel: int, batch_size: int, n_swa: int, swa_full: bool) -> tuple[int, int, int]:
+def _streams(parallel: int, kv_unified: bool) -> int:
+    return 1 if kv_unified else parallel  # one KV stream per sequence, or one the sequences share
+
+
+def _cells(ctx_size: int, streams: int, batch_size: int, n_swa: int, swa_full: bool) -> tuple[int, int, int]:
     """Cells per stream for full and for sliding layers, and the ubatch, as llama.cpp sizes them."""
-    # n_ctx padded to 256, then one stream per sequence of n_ctx/n_seq cells, padded again.
-    cells = _pad(_pad(ctx_size) // parallel)
+    # n_ctx padded to 256, then n_ctx/n_stream cells per stream, padded again.
+    cells = _pad(_pad(ctx_size) // streams)
     n_ubatch = min(batch_size, ctx_size)
     # llama_kv_cache_iswa: a sliding layer keeps min(cells, n_swa + n_ubatch) cells
     # per stream (padded to 256) unless swa_full, the default, gives it all of them.
@@ -307,17 +312,18 @@ def _cells(ctx_size: int, parallel: int, batch_size: int, n_swa: int, swa_full: 
 
 
 def kv_cache_bytes(shape: ModelShape, *, ctx_size: int, parallel: int, batch_size: int, type_k: int, type_v: int,
-                   swa_full: bool) -> int:
-    cells, swa_cells, _ = _cells(ctx_size, parallel, batch_size, shape.n_swa, swa_full)
+                   swa_full: bool, kv_unified: bool = False) -> int:
+    streams = _streams(parallel, kv_unified)
+    cells, swa_cells, _ = _cells(ctx_size, streams, batch_size, shape.n_swa, swa_full)
     total = 0
     for layer in shape.layers:
         cell_bytes = ggml_row_bytes(type_k, layer.k_width) + ggml_row_bytes(type_v, layer.v_width)
-        total += parallel * (swa_cells if layer.sliding else cells) * cell_bytes
+        total += streams * (swa_cells if layer.sliding else cells) * cell_bytes
     return total
 
 
 def context_bytes(shape: ModelShape, *, ctx_size: int, parallel: int, batch_size: int, n_outputs_max: int,
-                  output_rows: int, type_k: int, type_v: int, swa_full: bool) -> int:
+                  output_rows: int, type_k: int, type_v: int, swa_full: bool, kv_unified: bool = False) -> int:
     """KV cache + output buffer + compute buffer of one llama.cpp context.
 
     output_rows: logits rows the output buffer holds (llama.cpp starts it at one
@@ -325,9 +331,9 @@ def context_bytes(shape: ModelShape, *, ctx_size: int, parallel: int, batch_size
     n_outputs_max: the most outputs the context allows, which its graph reserves.
     """
     kv = kv_cache_bytes(shape, ctx_size=ctx_size, parallel=parallel, batch_size=batch_size, type_k=type_k,
-                        type_v=type_v, swa_full=swa_full)
+                        type_v=type_v, swa_full=swa_full, kv_unified=kv_unified)
     outputs = output_rows * shape.n_vocab * F32
-    cells, swa_cells, n_ubatch = _cells(ctx_size, parallel, batch_size, shape.n_swa, swa_full)
+    cells, swa_cells, n_ubatch = _cells(ctx_size, _streams(parallel, kv_unified), batch_size, shape.n_swa, swa_full)
     quantized = any(GGML_TYPES[t][1] > 1 for t in (type_k, type_v))
     return kv + outputs + compute_buffer_bytes(shape, cells=cells, swa_cells=swa_cells, n_ubatch=n_ubatch,
                                                n_outputs=min(n_outputs_max, n_ubatch), quantized_cache=quantized)

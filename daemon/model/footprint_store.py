@@ -52,7 +52,8 @@ def _file_identity(path: str | Path | None) -> str | None:
 
 def footprint_key(model_path: str | Path, ctx_size: int, parallel: int, cache_type_k: str = "f16",
                   cache_type_v: str = "f16", model_draft: str | Path | None = None, mmproj: str | Path | None = None,
-                  n_gpu_layers: int = -1, *, batch_size: int = 512, draft_max: int = 16, embeddings: bool = False) -> str:
+                  n_gpu_layers: int = -1, *, batch_size: int = 512, draft_max: int = 16, embeddings: bool = False,
+                  kv_unified: bool = False) -> str:
     """A stable key for one load configuration (batch_size, draft_max and
     embeddings size the compute and output buffers, so they are part of it too)."""
     identity = {
@@ -61,6 +62,7 @@ def footprint_key(model_path: str | Path, ctx_size: int, parallel: int, cache_ty
         "cache_type_k": cache_type_k.lower(), "cache_type_v": cache_type_v.lower(), "n_gpu_layers": n_gpu_layers,
         "batch_size": batch_size, "draft_max": draft_max if model_draft else None,
         **({"embeddings": True} if embeddings else {}),  # absent when off: keys measured before stay valid
+        **({"kv_unified": True} if kv_unified else {}),
     }
     return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()
 

@@ -215,6 +215,7 @@ class WorkerLifecycle:
             embeddings=s.embeddings,
             pooling=s.pooling,
             cache_deterministic=s.cache_deterministic,
+            kv_unified=s.kv_unified,
             cache_checkpoint_every=s.cache_checkpoint_every,
             load_mode=s.load_mode,
             llama_options=dict(s.llama_options),

@@ -47,7 +47,7 @@ class SavedPrompts:
         self.index.cut_back = rule.replaces
         self.rejected_at_load = dict(self.index.rejected)
         self.evicted = 0  # files deleted to stay within the budget
-        self.n_stream = max(1, spec.parallel)  # one stream per slot (runtime.py: kv_unified off)
+        self.n_stream = 1 if spec.kv_unified else max(1, spec.parallel)  # one stream per slot, or one shared
         self.verified = VerifiedSeals()  # files checked once in this worker (read by any thread, under the lock)
         self.shared: SharedPrompts | None = None
         if spec.kv_shared_dir:

@@ -34,6 +34,8 @@ from daemon.worker.slot_assignment import SlotAssignment
 from daemon.worker.structured import tokenizers
 from statemachine import SlotState
 
+NO_FREE_CELLS = 1  # llama_decode: no room in the KV cache for the batch (nothing was decoded)
+
 
 @dataclass
 class DecodeCounts:
@@ -289,6 +291,34 @@ class Engine(PromptText, SlotAssignment, EmbeddingQueue):
                 decoded: Callable[[], None] | None = None) -> bool:
         """Decode (slot, token, wants logits) entries as one batch and handle the logits; `decoded`
         runs between the two (a prompt's progress goes out before the token its last chunk gives)."""
+        outputs = self._fill_batch(entries)
+        self.counts.decodes += 1
+        self.counts.busy_slot_decodes += sum(1 for slot in self.slots if slot.job is not None)
+        self.counts.tokens_max = max(self.counts.tokens_max, max(len(slot.cache) for slot, _, _ in entries))
+        rc = llama.llama_decode(self.ctx, self.batch)
+        while rc == NO_FREE_CELLS and self.rt.spec.kv_unified:
+            # The shared pool is full. llama.cpp changed nothing (it places a whole batch before it
+            # decodes any of it): take the tokens back, make room, and try again with what is left.
+            for slot, _, _ in reversed(entries):
+                slot.cache.pop()
+            entries = self._make_room(entries)
+            if not entries:
+                return False
+            outputs = self._fill_batch(entries)
+            rc = llama.llama_decode(self.ctx, self.batch)
+        if rc != 0:
+            self._decode_failed(rc, {slot for slot, _, _ in entries})
+            return False
+        if decoded is not None:
+            decoded()
+        if handle_logits:
+            for slot, index, job in outputs:
+                if slot.job is job:  # not ended meanwhile by another choice of its request failing
+                    self._on_logits(slot, index)
+        return True
+
+    def _fill_batch(self, entries: list[tuple[Slot, int, bool]]) -> list[tuple[Slot, int, Job]]:
+        """The entries into the batch, each token onto its slot's cache; the (slot, index, job) of each output."""
         batch = self.batch
         outputs: list[tuple[Slot, int, Job]] = []
         for n, (slot, token, logits) in enumerate(entries):
@@ -301,20 +331,57 @@ class Engine(PromptText, SlotAssignment, EmbeddingQueue):
             if logits:
                 outputs.append((slot, n, slot.job))
         batch.n_tokens = len(entries)
-        self.counts.decodes += 1
-        self.counts.busy_slot_decodes += sum(1 for slot in self.slots if slot.job is not None)
-        self.counts.tokens_max = max(self.counts.tokens_max, max(len(slot.cache) for slot, _, _ in entries))
-        rc = llama.llama_decode(self.ctx, batch)
-        if rc != 0:
-            self._decode_failed(rc, {slot for slot, _, _ in entries})
-            return False
-        if decoded is not None:
-            decoded()
-        if handle_logits:
-            for slot, index, job in outputs:
-                if slot.job is job:  # not ended meanwhile by another choice of its request failing
-                    self._on_logits(slot, index)
-        return True
+        return outputs
+
+    def _make_room(self, entries: list[tuple[Slot, int, bool]]) -> list[tuple[Slot, int, bool]]:
+        """Free cells of the shared KV pool (kv_unified) for a batch that found none; the entries still to
+        decode. First an idle slot's prompt leaves the pool, least recently used first (into the prompt
+        cache's RAM tier, so its conversation is not lost); with none left, the request that started last
+        ends (context_full: the least work lost, and the requests before it go on); its cells are freed."""
+        idle = self._idle_holding()
+        if idle:
+            self._evict(idle[0])
+            return entries
+        busy = [s for s in self.slots if s.job is not None]
+        if not busy:
+            return []  # nothing holds the pool and the batch still does not fit: cannot happen below n_ctx
+        last = max(busy, key=lambda s: s.job.started)
+        pool = llama.llama_n_ctx(self.ctx)
+        self._finish(last, "error", code="context_full",
+                     error=f"context size has been exceeded: the slots share one KV pool of {pool} tokens "
+                           "(kv_unified) and it is full; this request started last, so it ended to let the others "
+                           "finish. Retry, or raise ctx_size")
+        self._empty(last)
+        return [entry for entry in entries if entry[0].job is not None and entry[0] is not last]
+
+    def _idle_holding(self, besides: Slot | None = None) -> list[Slot]:
+        """Idle slots whose prompt is in the pool (none waits for a restore or a fork), least recently used first."""
+        idle = [s for s in self.slots if s is not besides and s.job is None and s.reserved_for is None and s.cache]
+        return sorted(idle, key=lambda s: s.last_used)
+
+    def _room_for_prompt(self, slot: Slot, n_tokens: int) -> None:
+        """kv_unified: before a prompt of n_tokens takes `slot`, idle slots' prompts leave the shared pool
+        until it fits, so that a restore from the prompt cache finds its cells (a decode that still finds
+        none makes room itself: _make_room). Counted by positions: cells n choices share count twice, which
+        errs towards making room."""
+        if not self.rt.spec.kv_unified:
+            return
+        for other in self._idle_holding(besides=slot):
+            if self.n_ctx_slot - sum(len(s.cache) for s in self.slots if s is not slot) >= n_tokens:
+                return
+            self._evict(other)
+
+    def _evict(self, slot: Slot) -> None:
+        """An idle slot's prompt out of the shared pool, kept in the prompt cache's RAM tier when it is on."""
+        if self.saved is not None:
+            self.saved.stash(slot, 0)
+        self._empty(slot)
+
+    def _empty(self, slot: Slot) -> None:
+        llama.llama_memory_seq_rm(self.memory, slot.id, -1, -1)
+        slot.truncate(0)
+        if self.speculator is not None:
+            self.speculator.forget(slot)
 
     def _decode_failed(self, rc: int, slots: set[Slot]) -> None:
         # The batch failed: the slots in it lose their cache and their request.

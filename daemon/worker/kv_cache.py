@@ -35,7 +35,9 @@ def context_layout(ctx: ctypes.c_void_p, model: ctypes.c_void_p, rule: ReuseRule
         "n_embd": llama.llama_model_n_embd(model),
         "type_k": int(params.type_k),
         "type_v": int(params.type_v),
-        "swa_full": True,  # the worker sets it (runtime.py), and one stream per slot
+        # The worker sets it (runtime.py). kv_unified is not a key: its slots' n_ctx_slot differs already
+        # (ctx_size, not ctx_size / parallel), and with one slot the two layouts are the same bytes.
+        "swa_full": True,
     }
 
 

@@ -8,7 +8,7 @@ and decodes everything into the slot's sequence.
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 from daemon.worker.errors import RequestError, context_advice
@@ -31,9 +31,10 @@ class MediaPrompts:
             return self.lib.mtmd_helper_get_n_tokens(chunks)
 
     def evaluate(self, lctx: ctypes.c_void_p, text: str, images: list[bytes], seq_id: int, n_batch: int,
-                 n_ctx_slot: int) -> tuple[int, int]:
+                 n_ctx_slot: int, make_room: Callable[[int], None] = lambda n_pos: None) -> tuple[int, int]:
         """Decode text+images into sequence `seq_id` from position 0, logits for the
-        last position. Returns (positions used, prompt tokens)."""
+        last position; make_room(positions) first (a shared KV pool frees cells for them).
+        Returns (positions used, prompt tokens)."""
         lib = self.lib
         with self._chunks(text, images) as chunks:
             n_pos = lib.mtmd_helper_get_n_pos(chunks)
@@ -41,6 +42,7 @@ class MediaPrompts:
                 raise MediaError(f"prompt with images needs {n_pos} positions; a slot holds {n_ctx_slot}: "
                                  f"{context_advice()}",
                                  "context_length_exceeded")
+            make_room(n_pos)
             new_n_past = llama.llama_pos(0)
             rc = lib.mtmd_helper_eval_chunks(self.ctx, lctx, chunks, 0, seq_id, n_batch, True, ctypes.byref(new_n_past))
             if rc != 0:

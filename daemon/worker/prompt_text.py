@@ -66,7 +66,7 @@ class PromptText:
             if len(self.tokenize(text[:chars], add_special=add_special)) > limit + 1:  # +1: a split at the cut
                 # A prompt against the slot's context is told which settings size it; other limits (an
                 # embeddings input, /tokenize's) are not the slot's.
-                advice = f": {context_advice(self.rt.spec.ctx_size, self.rt.spec.parallel)}" \
+                advice = f": {context_advice(self.rt.spec.ctx_size, self.rt.spec.parallel, self.rt.spec.kv_unified)}" \
                     if what == "prompt" and limit == self.n_ctx_slot else ""
                 raise RequestError(f"{what} has more than {limit} tokens; the context of a slot holds "
                                    f"{self.n_ctx_slot}{advice}", "context_length_exceeded")

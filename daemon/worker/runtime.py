@@ -157,10 +157,15 @@ class Runtime:
         params.n_threads_batch = self.threads
         params.no_perf = True
         # Set, not left to llama.cpp's defaults, because the prompt cache's rule
-        # (reuse.py) rests on them: one KV stream per slot (a slot's cells never
-        # interleave with another's) and a full-size window cache (a live slot
-        # never loses window positions; only a restored one lacks them).
-        params.kv_unified = False
+        # (reuse.py) rests on them: one KV stream per slot unless kv_unified asks
+        # for a shared pool (a slot's cells then interleave with the others',
+        # which only the deterministic mode cannot have: the settings refuse the
+        # two together) and a full-size window cache (a live slot never loses
+        # window positions; only a restored one lacks them). The draft context
+        # follows the target's: a slot grows as far in both.
+        if self.spec.kv_unified and self.spec.cache_deterministic:
+            raise LoadError("kv_unified and cache_deterministic cannot both be true")
+        params.kv_unified = self.spec.kv_unified
         params.swa_full = True
         if model is self.model:
             self._apply_llama_options(params, "context")

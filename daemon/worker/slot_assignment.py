@@ -80,7 +80,7 @@ class SlotAssignment:
                 if len(tokens) >= self.n_ctx_slot:
                     raise RequestError(
                         f"prompt has {len(tokens)} tokens; the context of a slot holds {self.n_ctx_slot}: "
-                        f"{context_advice(self.rt.spec.ctx_size, self.rt.spec.parallel)}",
+                        f"{context_advice(self.rt.spec.ctx_size, self.rt.spec.parallel, self.rt.spec.kv_unified)}",
                         "context_length_exceeded",
                     )
                 sampler = SamplerChain(msg.params, self.n_vocab, self.n_ctx_slot, self.vocab, eog=self.eog_tokens)
@@ -94,6 +94,7 @@ class SlotAssignment:
             if msg.cache_prompt:
                 scope = msg.cache_scope  # a slot holding another scope's prompt keeps nothing for this one
                 slot = choose_slot(idle, tokens, lambda s: self.keepable(s, tokens, scope))
+                self._room_for_prompt(slot, len(tokens))
                 if self.saved is not None:  # the best of RAM and disk, when it beats the slot; the slot's prefix kept
                     restored = self.saved.before_assign(slot, tokens, self.keepable(slot, tokens, scope), scope,
                                                         off_thread=msg.n == 1)
@@ -106,6 +107,7 @@ class SlotAssignment:
                 slot = min(idle, key=least_recently_used)
                 if self.saved is not None:
                     self.saved.stash(slot, 0)  # what it held still serves its own conversation later
+                self._room_for_prompt(slot, len(tokens))
                 self._assign(slot, msg, tokens, sampler, 0)
             self._started(slot, msg, idle, restored)
 
@@ -208,7 +210,8 @@ class SlotAssignment:
         if self.speculator is not None:
             self.speculator.forget(slot)
         try:
-            n_pos, n_tokens = self.media.evaluate(self.ctx, text, images, slot.id, self.n_batch, self.n_ctx_slot)
+            n_pos, n_tokens = self.media.evaluate(self.ctx, text, images, slot.id, self.n_batch, self.n_ctx_slot,
+                                                  make_room=lambda n_pos: self._room_for_prompt(slot, n_pos))
             sampler = SamplerChain(msg.params, self.n_vocab, self.n_ctx_slot, self.vocab, eog=self.eog_tokens)
         except (MediaError, RequestError) as exc:
             llama.llama_memory_seq_rm(self.memory, slot.id, -1, -1)

@@ -89,8 +89,12 @@ class Trial:
     `restart`, when given, stops nothing itself: it returns a new daemon on the
     trial's state directory (the caller's fixture stops the old one first)."""
 
-    def __init__(self, d, fresh, rng: random.Random, script: tuple[str, ...] = (), *, restart=None) -> None:
+    def __init__(self, d, fresh, rng: random.Random, script: tuple[str, ...] = (), *, restart=None,
+                 shared_pool: bool = False) -> None:
         self.d, self.fresh_daemon, self.rng = d, fresh, rng
+        # kv_unified: even a prompt that keeps nothing lands in other cells than a fresh read's (among the
+        # other slot's), so every answer is compared by the rule of kept cells, none bit for bit.
+        self.shared_pool = shared_pool
         self.restart = restart
         self.script = list(script)  # operations that come first, whatever the draw
         self.base = words(rng, 900)  # ~1000 tokens: prefixes inside the window and past it
@@ -207,7 +211,7 @@ class Trial:
         if cached:
             self.kept += 1
             self.tiers[tier] = self.tiers.get(tier, 0) + 1
-        if self.deterministic or cached == 0:
+        if self.deterministic or cached == 0 and not self.shared_pool:
             self.log.append(line)
             assert answer == reference, "\n".join(self.log) + f"\n{answer!r}\n{reference!r}"
             assert probs == ref_probs  # tokens and log-probabilities alike: the same bits
@@ -222,7 +226,11 @@ class Trial:
                             + (f", forked at a near-tie ({match.fork_margin:.2g}) at {match.tie_at}"
                                if match.tie_at is not None else ""))
         print(self.log[-1], flush=True)  # as it goes: a trial cut off by the timeout shows how far it went
-        if since in ("evict", "restart") and cached:  # RAM is empty after a restart, pushed out by evict
+        # RAM is empty after a restart, pushed out by evict: what comes back comes from disk. A restore keeps
+        # at least an entry's worth (MIN_TOKENS); fewer kept tokens are a slot's incidental share (the BOS of
+        # another prompt), as for a prompt under one index block whose entry is no longer among the newest
+        # eight of its scope (prefix_index.MAX_SHARERS) and is read again.
+        if since in ("evict", "restart") and cached >= MIN_TOKENS:
             assert tier == "disk", "\n".join(self.log)
         if not self.deterministic and since and op in ("regenerate", "edit"):
             # A checkpoint served: the prompt's end (a regenerate) or the turn boundary (an edit),
@@ -256,19 +264,25 @@ def seed(default: int) -> int:
 # land in other cells and round otherwise); its slots given away (back from RAM); the
 # RAM tier pushed past its budget and a restart (back from disk). Then they draw a
 # few more steps (12 in all under `make soak`; any seed with DORMOUSE_PROPERTY_SEED=random).
-@pytest.mark.parametrize("deterministic, batch_size, steps, default_seed, script", [
-    (True, 128, rounds(7, 12), 16, ("long", "sleep turn", "away", "evict turn", "restart edit")),
-    (False, 512, rounds(10, 12), 17, ("long", "sleep regenerate", "turn", "away edit", "evict regenerate", "restart edit")),
+@pytest.mark.parametrize("deterministic, batch_size, steps, default_seed, script, unified", [
+    (True, 128, rounds(7, 12), 16, ("long", "sleep turn", "away", "evict turn", "restart edit"), False),
+    (False, 512, rounds(10, 12), 17, ("long", "sleep regenerate", "turn", "away edit", "evict regenerate", "restart edit"),
+     False),
+    # The slots in one shared KV pool (kv_unified): a slot's cells lie among the other's, restores land
+    # wherever cells are free; compared with a fresh read in a daemon of split slots, by the same rule.
+    (False, 512, rounds(10, 12), 18, ("long", "sleep regenerate", "turn", "away edit", "evict regenerate", "restart edit"),
+     True),
 ])
 def test_the_cache_never_changes_a_deterministic_answer(start_daemon, tmp_path, deterministic, batch_size, steps,
-                                                        default_seed, script):
+                                                        default_seed, script, unified):
     s = seed(default_seed)
     print(f"\nDORMOUSE_PROPERTY_SEED={s}")
 
     def start(name: str):
-        # Two slots of 2048 tokens. A live slot keeps every window position (swa_full);
-        # only a restored one lacks the first ones.
-        d = start_daemon("--parallel", "2", "--ctx-size", "4096", "--batch-size", str(batch_size),
+        # Two slots of 2048 tokens (or sharing 4096, the trial's with unified). A live slot keeps every
+        # window position (swa_full); only a restored one lacks the first ones.
+        shared = ("-kvu",) if unified and name == "trial" else ()
+        d = start_daemon("--parallel", "2", "--ctx-size", "4096", "--batch-size", str(batch_size), *shared,
                          "--sleep-idle-seconds", "-1", "--state-dir", str(tmp_path / name),
                          env={"DORMOUSE_KV_CACHE_MIN_TOKENS": str(MIN_TOKENS),
                               "DORMOUSE_PROMPT_CACHE_RAM_BYTES": RAM_BUDGET,
@@ -277,7 +291,8 @@ def test_the_cache_never_changes_a_deterministic_answer(start_daemon, tmp_path, 
         return d
 
     fresh = start("fresh")
-    trial = Trial(start("trial"), fresh, random.Random(s), script=script, restart=lambda: start("trial"))
+    trial = Trial(start("trial"), fresh, random.Random(s), script=script, restart=lambda: start("trial"),
+                  shared_pool=unified)
     for _ in range(steps):
         trial.step(deterministic)
     print(trial.summary())
@@ -290,7 +305,10 @@ def test_the_cache_never_changes_a_deterministic_answer(start_daemon, tmp_path, 
         # near-ties (where rounding may pick either token) are rare.
         assert trial.comebacks.get("ram", 0) >= 1 and trial.comebacks.get("disk", 0) >= 1, trial.summary()
         assert sum(m.compared for m in trial.matches) >= 5 * N_PREDICT, trial.summary()
-        assert sum(m.tie_at is not None for m in trial.matches) <= len(trial.matches) // 4, trial.summary()
+        # In a shared pool the kept cells lie out of order among the other slot's, and near-ties come a
+        # little more often (3 of 12 prompts, seed 18; split slots: 1-2 of 7-8).
+        ties = len(trial.matches) // (3 if unified else 4)
+        assert sum(m.tie_at is not None for m in trial.matches) <= ties, trial.summary()
 
 
 def test_an_unrelated_chat_after_a_restore_is_answered_as_a_fresh_read(start_daemon, tmp_path):

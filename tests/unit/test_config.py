@@ -100,6 +100,13 @@ def test_allowed_hosts_are_normalised(tmp_path, monkeypatch, toml, env, expected
     assert _load(tmp_path, toml, env, monkeypatch).allowed_hosts == expected
 
 
+def test_a_shared_kv_pool_gives_a_slot_the_whole_context_and_a_table_may_turn_it_off(tmp_path, monkeypatch):
+    settings = _load(tmp_path, "ctx_size = 4096\nparallel = 4\nkv_unified = true\n[models.a]\n[models.b]\n"
+                               "kv_unified = false\ncache_deterministic = true\n", {}, monkeypatch)
+    assert settings.slot_context == 4096 and settings.model_copy(update={"kv_unified": False}).slot_context == 1024
+    assert settings.models["a"].kv_unified is None and settings.models["b"].overrides()["kv_unified"] is False
+
+
 @pytest.mark.parametrize(
     "toml,env,expected,table",
     [
@@ -152,6 +159,10 @@ def test_tags_are_kept_once_in_order_and_a_table_replaces_them(tmp_path, monkeyp
         ("tags = true", {}, "tags: Input should be a valid list"),
         ('[models.m]\ntags = ["x\\ny"]', {}, "models.m.tags: Value error, tag 'x\\ny'"),
         ("", {"DORMOUSE_TAGS": "[not json"}, "neither a JSON list nor names separated by commas"),
+        ("kv_unified = true\ncache_deterministic = true", {}, "kv_unified and cache_deterministic cannot both"),
+        ("kv_unified = true\n[models.m]\ncache_deterministic = true", {}, "[models.m]: kv_unified and cache_det"),
+        ("cache_deterministic = true\n[models.m]\nkv_unified = true", {}, "[models.m]: kv_unified and cache_det"),
+        ("kv_unified = 2", {}, "kv_unified: Input should be a valid boolean"),
     ],
 )
 def test_hostile_access_and_image_settings_name_the_key(tmp_path, monkeypatch, toml, env, needle):

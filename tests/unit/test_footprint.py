@@ -434,6 +434,9 @@ MEASURED = [
     (4096, 4, {"batch_size": 128}, 246583132, 84871741),
     (4096, 4, {"batch_size": 2048}, 246583132, 162613166),
 ]
+# kv_unified: one stream of ctx_size cells the slots share (llama_n_ctx_seq is the whole pool, 1280 for 1100).
+MEASURED_UNIFIED = [(4096, 4, 106713579), (2048, 4, 64770539), (8192, 4, 190599659), (4096, 1, 103567851),
+                    (1100, 3, 48035266)]
 # With the model as its own draft (draft_max 16): draft_model 246583132, draft_context 100422123,
 # context 100422123: the main context reserves its graph for max(parallel, 4) outputs
 # (ModelSpec.outputs_max; it was 4 x 17 = 68 outputs and 152483921 bytes before that was fixed).
@@ -468,6 +471,27 @@ def test_bundled_model_context_matches_each_measurement(bundled, bundled_header,
     predicted = predict(bundled, ctx_size=ctx_size, parallel=parallel, **extra)
     assert predicted.model == pytest.approx(model, rel=0.25)
     assert predicted.context == pytest.approx(context, rel=0.25)
+
+
+@pytest.mark.parametrize("ctx_size, parallel, context", MEASURED_UNIFIED)
+def test_bundled_model_context_with_a_shared_kv_pool(bundled, bundled_header, monkeypatch, ctx_size, parallel,
+                                                     context):
+    monkeypatch.setattr(fp, "read_header", lambda path: bundled_header)
+    predicted = predict(bundled, ctx_size=ctx_size, parallel=parallel, kv_unified=True)
+    assert predicted.context == pytest.approx(context, rel=0.01)
+    if parallel == 1:  # one slot: the same context either way
+        assert predicted.context == predict(bundled, ctx_size=ctx_size, parallel=1).context
+
+
+def test_a_shared_pool_counts_one_stream_not_one_per_slot(tmp_path):
+    model, _ = write_model(tmp_path / "m.gguf")
+    shape = fp.shape_of(read_header(model))
+    # 1100 cells: padded to 1280 in one stream, or to 4 x 512 as 4 streams of 1280 / 4 = 320 (padded to 512)
+    one = kv_cache_bytes(shape, ctx_size=1100, parallel=1, batch_size=512, type_k=F16, type_v=F16, swa_full=True)
+    shared = kv_cache_bytes(shape, ctx_size=1100, parallel=4, batch_size=512, type_k=F16, type_v=F16, swa_full=True,
+                            kv_unified=True)
+    split = kv_cache_bytes(shape, ctx_size=1100, parallel=4, batch_size=512, type_k=F16, type_v=F16, swa_full=True)
+    assert shared == one and split == one * 2048 // 1280
 
 
 def test_bundled_model_with_itself_as_draft(bundled):
@@ -568,6 +592,7 @@ def test_key_changes_with_each_file_and_setting(tmp_path):
         footprint_key(model, 4096, 4, cache_type_k="q8_0"), footprint_key(model, 4096, 4, cache_type_v="q8_0"),
         footprint_key(model, 4096, 4, model_draft=draft), footprint_key(model, 4096, 4, mmproj=draft),
         footprint_key(model, 4096, 4, n_gpu_layers=10), footprint_key(model, 4096, 4, batch_size=256),
+        footprint_key(model, 4096, 4, kv_unified=True),
     ]
     assert len(set(others + [base])) == len(others) + 1
     stat = model.stat()

@@ -106,7 +106,7 @@ SWITCHES: dict[str, tuple[dict | None, dict | None]] = {
     "--models-autoload": ({"models_autoload": True}, {"models_autoload": False}),
     "--slots": ({"slots_endpoint": True}, {"slots_endpoint": False}),
     "--ui": ({"status_page": True}, {"status_page": False}),
-    "-kvu": (None, {}),
+    "-kvu": ({"kv_unified": True}, {"kv_unified": False}),
     "--context-shift": (None, {}),
     "-cb": ({}, None),
     "--swa-full": ({}, None),
@@ -502,3 +502,15 @@ def test_command_lines_from_scripts_translate_whole(line, settings, llama_option
                                          (["--flash-attn", "off"], 0), (["-fa", "--admin-key", "k"], 1)])
 def test_flash_attention_takes_its_value_or_stands_alone_as_it_once_did(argv, flash):
     assert translate(argv, {}).llama_options["flash_attn_type"] == flash
+
+
+@pytest.mark.parametrize("argv, said", [
+    (["-c", "8192"], True), (["-c", "8192", "-np", "-1"], True), (["-c", "0", "-m", "{model}"], True),
+    (["-c", "8192", "-np", "2"], False), (["-c", "8192", "-kvu"], False), (["-c", "8192", "-no-kvu"], False),
+    (["-np", "2"], False), ([], False),
+])
+def test_a_context_with_no_number_of_slots_says_how_llama_server_would_share_it(bundled_model, argv, said):
+    # llama-server's -np auto turns -kvu on; Dormouse does not copy it from the spelling, it says so
+    argv = [arg.replace("{model}", bundled_model) for arg in argv]
+    notes = lsa.translate(argv, {}, own_flags=NO_DORMOUSE_FLAGS).notes
+    assert any("add -kvu to share it as llama-server does" in note for note in notes) == said

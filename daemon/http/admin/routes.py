@@ -83,7 +83,7 @@ async def props(request: web.Request) -> web.Response:
         "total_slots": s.parallel,
         "slots": _slots(c, _hides_cache_counts(request)),
         # llama-server's: what a /completion that sends no sampling field gets (the server's defaults).
-        "default_generation_settings": default_generation_settings(s, c.n_ctx_slot or s.ctx_size // s.parallel),
+        "default_generation_settings": default_generation_settings(s, c.n_ctx_slot or s.slot_context),
         "sleep_idle_seconds": s.sleep_idle_seconds,
         # The latest accepted request's keep_alive (Ollama's), and the idle time it makes (-1: never).
         "keep_alive": c.machine.keep_alive,
@@ -139,7 +139,7 @@ def _slots(c, hide_cached: bool = False) -> list[dict]:
     """Each slot as the worker last said, with llama-server's fields beside the state (n_ctx,
     speculative, is_processing). Asleep (or not loaded yet): the slots exist on paper, idle and empty."""
     infos = c.slots or [SlotInfo(i, "idle") for i in range(c.settings.parallel)]
-    n_ctx = c.n_ctx_slot or c.settings.ctx_size // c.settings.parallel
+    n_ctx = c.n_ctx_slot or c.settings.slot_context
     speculative = c.settings.model_draft is not None
     return [{"id": x.id, "state": x.state, "request_id": x.request_id, "n_cached": 0 if hide_cached else x.n_cached,
              "n_ctx": n_ctx,

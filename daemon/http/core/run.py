@@ -44,6 +44,8 @@ def failure_error(item: JobFailure | p.Done) -> ApiError:
         return ApiError(item.status, item.message, item.code, retry_after=item.retry_after)
     if item.finish_reason == "cancelled":
         return ApiError(503, "request cancelled: the server is shutting down", "cancelled", retry_after=1)
+    if item.error_code == "context_full":  # the shared KV pool (kv_unified) frees as the other requests end
+        return ApiError(503, item.error or "the shared KV pool is full", item.error_code, retry_after=1)
     status = 400 if item.error_code in CLIENT_ERRORS else 500
     error = ApiError(status, item.error or "generation failed", item.error_code)
     counts = overflow_counts(item.error) if item.error_code == "context_length_exceeded" else None

@@ -77,7 +77,7 @@ def _native_error(item, body: NativeCompletionRequest, model: FleetModel) -> Api
     if error.code != "context_length_exceeded":
         return error
     c = model.controller
-    n_ctx = c.n_ctx_slot or c.settings.ctx_size // c.settings.parallel
+    n_ctx = c.n_ctx_slot or c.settings.slot_context
     counts = overflow_counts(getattr(item, "error", None))
     if counts is not None:
         return ContextExceeded(*counts)

@@ -131,7 +131,7 @@ def ollama_model(request: web.Request, name: str | None) -> FleetModel:
 def slot_context(model: FleetModel) -> int:
     """Tokens one request's slot holds: the worker's word once loaded, else what the settings make."""
     c = model.controller
-    return c.n_ctx_slot or c.settings.ctx_size // c.settings.parallel
+    return c.n_ctx_slot or c.settings.slot_context
 
 
 async def tags(request: web.Request) -> web.Response:
