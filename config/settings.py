@@ -408,9 +408,9 @@ class Settings(BaseSettings):
                              "and /wake)")
         return self
 
-    @field_validator("allowed_hosts", mode="before")
+    @field_validator("allowed_hosts", "tags", "cors_origins", mode="before")
     @classmethod
-    def _host_list(cls, value: Any) -> Any:
+    def _comma_list(cls, value: Any) -> Any:
         # An environment variable gives one string: names separated by commas, or a JSON list.
         if isinstance(value, str):
             if value.lstrip().startswith("["):
@@ -421,20 +421,10 @@ class Settings(BaseSettings):
             return [name for name in (part.strip() for part in value.split(",")) if name]
         return value
 
-    @field_validator("tags", mode="before")
-    @classmethod
-    def _tag_list(cls, value: Any) -> Any:
-        return cls._host_list(value)
-
     @field_validator("tags")
     @classmethod
     def _tags(cls, value: list[str]) -> list[str]:
         return check_tags(value)
-
-    @field_validator("cors_origins", mode="before")
-    @classmethod
-    def _origin_list(cls, value: Any) -> Any:
-        return cls._host_list(value)
 
     @field_validator("cors_origins")
     @classmethod

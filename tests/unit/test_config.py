@@ -165,7 +165,7 @@ def test_tags_are_kept_once_in_order_and_a_table_replaces_them(tmp_path, monkeyp
         ("kv_unified = 2", {}, "kv_unified: Input should be a valid boolean"),
     ],
 )
-def test_hostile_access_and_image_settings_name_the_key(tmp_path, monkeypatch, toml, env, needle):
+def test_hostile_access_image_tag_and_pool_settings_name_the_key(tmp_path, monkeypatch, toml, env, needle):
     with pytest.raises(ConfigError) as info:
         _load(tmp_path, toml, env, monkeypatch)
     assert needle in str(info.value)
