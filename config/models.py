@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import math
 import re
+import unicodedata
 from pathlib import Path
 from typing import Any, Literal
 
@@ -46,15 +47,16 @@ MODEL_ID_RULE = "1-128 letters, digits, '.', '_', ':' or '-', parts joined by '/
 
 # A model's tags (llama-server's --tags): labels /v1/models shows, never read for routing.
 MAX_TAGS = 32
-TAG = re.compile(r"^[^,\x00-\x1f\x7f]{1,64}$")
-TAG_RULE = "1-64 characters, no comma and no control character"
+TAG = re.compile(r"^[^,]{1,64}$")
+TAG_RULE = "1-64 characters, no comma and no control or format character"
 
 
 def check_tags(tags: list[str]) -> list[str]:
     """Each tag once, in the order given; stripped of the spaces around it (as a comma list leaves them)."""
     out: list[str] = []
     for tag in tags:
-        if not isinstance(tag, str) or not TAG.fullmatch(tag.strip()):
+        if not isinstance(tag, str) or not TAG.fullmatch(tag.strip()) \
+                or any(unicodedata.category(ch)[0] == "C" for ch in tag.strip()):  # controls, bidi, zero-width
             raise ValueError(f"tag {str(tag)[:80]!r} must be {TAG_RULE}")
         if tag.strip() not in out:
             out.append(tag.strip())

@@ -70,9 +70,9 @@ class Settings(BaseSettings):
     kv_unified: bool = Field(
         False, description="true: the slots share one KV pool of ctx_size tokens (llama-server's -kvu), so one "
                            "conversation may grow to ctx_size while the others are short; when the pool is full, "
-                           "idle slots' prompts leave it (to the prompt cache's RAM tier) and then the request "
-                           "holding the most of it ends with context_full. Not with cache_deterministic. "
-                           "false: each slot has its own ctx_size / parallel")
+                           "idle slots' prompts leave it (for the prompt cache's RAM or disk tier, when on), then "
+                           "the request that started last ends (503 context_full) so the others finish. Not with "
+                           "cache_deterministic. false: each slot has its own ctx_size / parallel")
     threads: int | None = Field(None, ge=1, description="CPU threads; default: all cores")
     n_gpu_layers: int = Field(-1, ge=-1, description="layers on the GPU; -1 all")
     batch_size: int = Field(512, ge=1, description="tokens per decode step (llama.cpp's n_batch): larger reads long prompts faster and takes more compute memory")

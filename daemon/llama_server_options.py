@@ -161,8 +161,8 @@ OPTIONS: tuple[Option, ...] = (
         setting("prompt_cache_ram_bytes",
             handlers.cache_ram_bytes, "mapped to `prompt_cache_ram_bytes` (MiB; -1 refused)")),
     opt("-kvu --kv-unified", "LLAMA_ARG_KV_UNIFIED", "switch", switch(
-        setting("kv_unified", doc="mapped to `kv_unified = true`: the slots share one pool of -c tokens"),
-        setting("kv_unified", doc="mapped to `kv_unified = false`: each slot has -c / -np")),
+        setting("kv_unified", doc="mapped to `kv_unified` (true): the slots share one pool of -c tokens"),
+        setting("kv_unified", doc="mapped to `kv_unified` (false): each slot has -c / -np")),
         negative="-no-kvu --no-kv-unified"),
     opt("--cache-idle-slots", "LLAMA_ARG_CACHE_IDLE_SLOTS", "switch", switch(
         accepted("a slot's prompt goes to the host-RAM tier when the slot is reused (prompt_cache_ram_bytes)"),

@@ -98,6 +98,7 @@ class Engine(PromptText, SlotAssignment, EmbeddingQueue):
 
             cache = PromptCache(self.ctx, runtime.model, runtime.spec, self.reuse)
             self.saved = cache if cache.enabled else None
+            cache.room_for = self._room_for_prompt
         self.embeddings_only = runtime.spec.embeddings
         self.embedding_work: deque[EmbeddingWork] = deque()
         self.n_embd = llama.llama_model_n_embd(runtime.model)
@@ -199,7 +200,8 @@ class Engine(PromptText, SlotAssignment, EmbeddingQueue):
         generating = [s for s in self.slots if s.state is SlotState.GENERATING and s.job.next_token is not None]
         if generating and self.speculator is not None:
             for slot in generating:
-                self._speculate(slot)
+                if slot.job is not None:  # a full shared pool may have ended it for another's verify (_make_room)
+                    self._speculate(slot)
         elif generating:
             entries = []
             for slot in generating:
@@ -247,6 +249,8 @@ class Engine(PromptText, SlotAssignment, EmbeddingQueue):
         job = slot.job
         room = min(job.params.max_tokens - job.n_generated, self.n_ctx_slot - len(slot.cache) - 2) - 1
         drafts = self.speculator.propose(slot, slot.cache + [job.next_token], room)
+        if self.rt.spec.kv_unified:  # drafts go before any request: verify only what the shared pool has room for
+            drafts = drafts[:max(0, self._free_cells() - 1)]
         job.n_drafted += len(drafts)
         self.counts.draft_rounds += bool(drafts)
         tokens = [job.next_token, *drafts]
@@ -346,30 +350,44 @@ class Engine(PromptText, SlotAssignment, EmbeddingQueue):
         if not busy:
             return []  # nothing holds the pool and the batch still does not fit: cannot happen below n_ctx
         last = max(busy, key=lambda s: s.job.started)
-        pool = llama.llama_n_ctx(self.ctx)
+        group = last.job.group
+        if group is not None and not group.reserved and all(s.job.group is group for s in busy):
+            # One request's n choices fill the pool between them: its longest choice is cut, as a slot of
+            # its own would have been cut at its end (a retry would only fill it again).
+            longest = max(busy, key=lambda s: len(s.cache))
+            self._finish(longest, "length")
+            self._empty(longest)
+            return [entry for entry in entries if entry[0] is not longest]
         self._finish(last, "error", code="context_full",
-                     error=f"context size has been exceeded: the slots share one KV pool of {pool} tokens "
-                           "(kv_unified) and it is full; this request started last, so it ended to let the others "
-                           "finish. Retry, or raise ctx_size")
+                     error=f"context size has been exceeded: the slots share one KV pool of {self.n_ctx_slot} "
+                           "tokens (kv_unified) and it is full; this request started last, so it ended to let the "
+                           "others finish. Retry, or raise ctx_size")
         self._empty(last)
         return [entry for entry in entries if entry[0].job is not None and entry[0] is not last]
 
     def _idle_holding(self, besides: Slot | None = None) -> list[Slot]:
-        """Idle slots whose prompt is in the pool (none waits for a restore or a fork), least recently used first."""
-        idle = [s for s in self.slots if s is not besides and s.job is None and s.reserved_for is None and s.cache]
+        """Idle slots whose prompt is in the pool, least recently used first: none waiting for a disk read
+        into it; one waiting for a fork of n choices holds an old prompt that the fork replaces anyway."""
+        idle = [s for s in self.slots if s is not besides and s.job is None and s.cache
+                and (s.reserved_for is None or isinstance(s.reserved_for, Choices))]
         return sorted(idle, key=lambda s: s.last_used)
 
-    def _room_for_prompt(self, slot: Slot, n_tokens: int) -> None:
-        """kv_unified: before a prompt of n_tokens takes `slot`, idle slots' prompts leave the shared pool
-        until it fits, so that a restore from the prompt cache finds its cells (a decode that still finds
-        none makes room itself: _make_room). Counted by positions: cells n choices share count twice, which
-        errs towards making room."""
+    def _free_cells(self, besides: Slot | None = None) -> int:
+        """The shared pool's cells no slot holds (but `besides`), counted by positions: cells n choices
+        share count twice, which errs towards making room."""
+        return self.n_ctx_slot - sum(len(s.cache) for s in self.slots if s is not besides)
+
+    def _room_for_prompt(self, slot: Slot, n_tokens: int) -> bool:
+        """kv_unified: before a prompt (or a restored state) of n_tokens takes `slot`, idle slots' prompts
+        leave the shared pool until it fits; whether it does (busy slots may hold the rest: a decode that
+        finds no cells makes room itself, _make_room). Split slots: always, the slot's own share."""
         if not self.rt.spec.kv_unified:
-            return
+            return True
         for other in self._idle_holding(besides=slot):
-            if self.n_ctx_slot - sum(len(s.cache) for s in self.slots if s is not slot) >= n_tokens:
-                return
+            if self._free_cells(besides=slot) >= n_tokens:
+                break
             self._evict(other)
+        return self._free_cells(besides=slot) >= n_tokens
 
     def _evict(self, slot: Slot) -> None:
         """An idle slot's prompt out of the shared pool, kept in the prompt cache's RAM tier when it is on."""
@@ -380,6 +398,7 @@ class Engine(PromptText, SlotAssignment, EmbeddingQueue):
     def _empty(self, slot: Slot) -> None:
         llama.llama_memory_seq_rm(self.memory, slot.id, -1, -1)
         slot.truncate(0)
+        self._slots_changed = True
         if self.speculator is not None:
             self.speculator.forget(slot)
 

@@ -45,6 +45,10 @@ class MediaPrompts:
             make_room(n_pos)
             new_n_past = llama.llama_pos(0)
             rc = lib.mtmd_helper_eval_chunks(self.ctx, lctx, chunks, 0, seq_id, n_batch, True, ctypes.byref(new_n_past))
+            if rc == 1:  # llama_decode found no cells: busy slots hold a shared pool (kv_unified)
+                raise MediaError("context size has been exceeded: the slots share one KV pool (kv_unified) and "
+                                 "busy slots hold the room this prompt with its images needs. Retry, or raise "
+                                 "ctx_size", "context_full")
             if rc != 0:
                 raise MediaError(f"encoding the prompt with its images failed ({rc})")
             return new_n_past.value, lib.mtmd_helper_get_n_tokens(chunks)

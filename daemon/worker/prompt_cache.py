@@ -43,7 +43,7 @@ import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -59,6 +59,7 @@ from daemon.worker.slot import Slot
 
 WHOLE_SHARE = 0.5  # of the RAM tier's budget at most, the recent entries' states kept whole (RamTier.whole)
 WRITE_QUEUE = 16  # entries waiting for the disk at most; past it a write is skipped (counted), never waited for
+NO_ROOM = "no_room"  # a restore the shared KV pool had no cells for: a miss, not a rejected file
 READ_FIRST_SECONDS = 1.0  # the writer waits this long at most for the disk reads in flight before each write
 FLUSH_SECONDS = 10.0  # a sleep waits this long at most for the queued writes (teardown_timeout is 15 s)
 TIERS = ("slot", "ram", "disk")
@@ -325,6 +326,10 @@ class PromptCache:
         self.timings = {"ram_save": [0, 0.0], "ram_restore": [0, 0.0], "disk_restore": [0, 0.0]}  # bytes, seconds
         self._scratch = np.empty(0, np.uint8)  # restores from RAM join into it
         self._taken = np.empty(0, np.uint8)  # saves are taken out of llama.cpp into it
+        # Whether the slot can take a state of n tokens now: a shared KV pool (kv_unified) frees cells for
+        # it, or says there are none while busy slots hold them (the engine sets it). Without room a restore
+        # is a miss, never a rejected file: the file is sound, the pool is full.
+        self.room_for: Callable[[Slot, int], bool] = lambda slot, n: True
 
     @property
     def enabled(self) -> bool:
@@ -376,7 +381,9 @@ class PromptCache:
         Returns what before_assign does."""
         rejected = read.reason
         self.last_origin = self.disk.origin_of(read.entry)  # counted() follows on this thread
-        if rejected is None:
+        if rejected is None and not self.room_for(slot, len(read.entry.tokens)):
+            rejected = NO_ROOM
+        elif rejected is None:
             rejected = self.disk.install(slot, read.entry, read.state)
             if rejected is None:
                 self._time("disk_restore", read.entry.state_bytes, read.started)
@@ -387,7 +394,7 @@ class PromptCache:
                   start: float) -> tuple[int, float, str, str | None, str]:
         if rejected is not None or not slot.cache:
             self.counts.misses += 1
-            return 0, time.perf_counter() - start, "miss", rejected, ""
+            return 0, time.perf_counter() - start, "miss", None if rejected == NO_ROOM else rejected, ""
         slot.scope = scope  # the entry was this scope's
         return len(slot.cache), time.perf_counter() - start, "hit", None, tier
 
@@ -403,6 +410,8 @@ class PromptCache:
 
     def _restore(self, slot: Slot, entry, tier: str) -> str | None:
         """A RAM entry into the slot (a disk entry goes through the reader: before_assign)."""
+        if not self.room_for(slot, len(entry.tokens)):
+            return NO_ROOM
         start = time.perf_counter()
         if len(self._scratch) < entry.state_bytes:  # grows to the largest entry restored, kept for the next
             self._scratch = np.empty(_grown(len(self._scratch), entry.state_bytes, self.ram.budget), np.uint8)

@@ -82,6 +82,9 @@ def slot_action(engine, msg: p.Query) -> p.Answer:
             state = read_state(path, header, offset, named=False)
         except KvFileError as exc:
             raise RequestError(f"cannot restore {msg.text}: {exc}", "slot_file_error") from None
+        if not engine._room_for_prompt(slot, len(header.tokens)):  # a shared pool: idle slots' prompts leave it
+            raise RequestError(f"cannot restore {msg.text} now: the slots share one KV pool (kv_unified) and busy "
+                               "slots hold the room it needs; retry", "context_full")
         if not load_state(engine.ctx, engine.reuse, slot, header.tokens, state):
             engine._slots_changed = True
             raise RequestError(f"cannot restore {msg.text}: llama.cpp refused its state", "slot_file_error")

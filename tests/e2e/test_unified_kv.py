@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 
+import httpx
 import pytest
 
 from tests.metrics_text import value
@@ -118,3 +120,80 @@ def test_an_image_prompt_makes_room_in_a_shared_pool(start_daemon, projector):
     assert r.json()["usage"]["prompt_tokens"] >= 16  # the image's 16 embeddings: more than the pool had free
     held = {s["id"]: s["n_cached"] for s in d.http.get("/slots").json()}
     assert held[0] == 0 and held[1] >= 16  # the idle prompt left the pool for them
+
+
+def test_a_restore_that_finds_the_pool_held_by_busy_slots_is_a_miss_and_its_file_stays(start_daemon):
+    d = start_daemon(*POOL, "--ctx-size", "256",
+                     env={"DORMOUSE_KV_CACHE_MIN_TOKENS": "64", "DORMOUSE_PROMPT_CACHE_RAM_BYTES": "0"})
+    d.wait_state("ready", timeout=180)
+    mill, orchard = notes("the mill by the river", 4), notes("the orchard behind the school", 4)
+    complete(d, mill, n_predict=1, id_slot=0)
+    complete(d, orchard, n_predict=1, id_slot=0)  # the mill's prompt goes to disk (no RAM tier)
+    held = threading.Event()
+
+    def generate() -> None:  # slot 1 grows to 190 cells and more: the mill's 97 no longer fit beside it
+        with d.http.stream("POST", "/completion", json={"prompt": "Once", "n_predict": 250, "ignore_eos": True,
+                                                        "stream": True, "temperature": 0, "id_slot": 1},
+                           timeout=300) as r:
+            for n, line in enumerate(line for line in r.iter_lines() if line.startswith("data: ")):
+                if n == 190:
+                    held.set()
+
+    generator = threading.Thread(target=generate)
+    generator.start()
+    assert held.wait(120)
+    during = d.http.post("/completion", json={"prompt": mill, "n_predict": 1, "id_slot": 0}, timeout=120)
+    generator.join(300)
+    assert during.status_code == 503 and during.json()["error"]["code"] == "context_full", during.text
+    metrics = d.http.get("/metrics").text
+    assert value(metrics, "dormouse_prompt_cache_rejected_files_total", reason="corrupt") == 0
+    after = complete(d, mill, n_predict=1, id_slot=0)  # the file was kept: it restores once there is room
+    assert after["tokens_cached"] >= 64 and after["timings"]["cache_tier"] == "disk"
+
+
+def test_a_draft_model_in_a_shared_pool_ends_one_request_and_the_worker_serves_on(start_daemon, bundled_model):
+    d = start_daemon(*POOL, "--ctx-size", "256", "--model-draft", bundled_model)
+    d.wait_state("ready", timeout=180)
+    # The older request on slot 0, which the worker speculates for first in each step: when its verify
+    # found the pool full, the newer request (slot 1) was ended, and the same step went on to speculate
+    # for it, which took the worker down. Two answers of 200 cannot both fit in 256 cells.
+    ended = 0
+    for first, second in [("Once upon a time there", "The river"), ("Once upon a time", "The river flows")]:
+        results: dict[str, httpx.Response] = {}
+
+        def run(name: str, prompt: str, slot: int) -> None:
+            results[name] = d.http.post("/completion", json={"prompt": prompt, "n_predict": 200, "ignore_eos": True,
+                                                             "temperature": 0, "cache_prompt": False,
+                                                             "id_slot": slot}, timeout=300)
+
+        older = threading.Thread(target=run, args=("first", first, 0))
+        older.start()
+        for _ in range(400):  # the second once the first is generating
+            if d.http.get("/slots").json()[0]["state"] == "generating":
+                break
+            time.sleep(0.02)
+        run("second", second, 1)
+        older.join(300)
+        for r in results.values():
+            assert r.status_code in (200, 503), r.text
+            if r.status_code == 200:
+                assert r.json()["tokens_predicted"] == 200
+            else:
+                assert r.json()["error"]["code"] == "context_full"
+                ended += 1
+        assert d.http.get("/health").json()["state"] == "ready"  # the worker lives on
+    assert ended >= 1  # the pool did fill
+    assert complete(d, "The river flows", n_predict=8)["tokens_predicted"] == 8
+
+
+def test_one_requests_choices_that_fill_the_pool_end_with_length(start_daemon):
+    d = start_daemon(*POOL, "--ctx-size", "256")
+    d.wait_state("ready", timeout=180)
+    r = d.http.post("/v1/completions", json={"prompt": "Once upon a time", "n": 2, "max_tokens": 200,
+                                             "ignore_eos": True, "temperature": 1}, timeout=300)
+    assert r.status_code == 200, r.text
+    choices = r.json()["choices"]
+    assert [c["finish_reason"] for c in choices] == ["length", "length"]
+    assert r.json()["usage"]["completion_tokens"] < 2 * 200  # the pool cut one of them short
+    held = [s["n_cached"] for s in d.http.get("/slots").json()]
+    assert sum(held) <= 256 and min(held) == 0  # the cut choice's cells were given back, and /slots says so

@@ -152,7 +152,10 @@ def test_tags_are_kept_once_in_order_and_a_table_replaces_them(tmp_path, monkeyp
         ("", {"DORMOUSE_MAX_IMAGES_PER_REQUEST": "lots"}, "(from environment DORMOUSE_MAX_IMAGES_PER_REQUEST)"),
         ('tags = ["a,b"]', {}, "tags: Value error, tag 'a,b' must be 1-64 characters, no comma"),
         ('tags = ["  "]', {}, "must be 1-64 characters"),
-        ('tags = ["bell\\u0007"]', {}, "no control character"),
+        ('tags = ["bell\\u0007"]', {}, "no control or format character"),
+        ('tags = ["next\\u0085line"]', {}, "no control or format character"),  # C1
+        ('tags = ["evil\\u202egnp"]', {}, "no control or format character"),  # right-to-left override
+        ('tags = ["zero\\u200bwidth"]', {}, "no control or format character"),
         (f'tags = ["{"t" * 65}"]', {}, "must be 1-64 characters"),
         ("tags = [" + ", ".join(f'"t{i}"' for i in range(33)) + "]", {}, "tags: List should have at most 32 items"),
         ("tags = [5]", {}, "tags.0: Input should be a valid string"),

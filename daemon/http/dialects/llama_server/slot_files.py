@@ -23,7 +23,7 @@ from daemon.model.jobs import JobFailure
 from daemon.protocol import Answer
 
 ACTIONS = ("save", "restore", "erase")
-STATUS = {"slot_busy": 409, "not_supported": 501, "slot_file_error": 400, "invalid_request": 400}
+STATUS = {"slot_busy": 409, "not_supported": 501, "slot_file_error": 400, "invalid_request": 400, "context_full": 503}
 
 
 class SlotFileRequest(RequestModel):
@@ -64,7 +64,8 @@ async def slot_action(request: web.Request) -> web.Response:
     if not isinstance(item, Answer):  # pragma: no cover - a query is answered by one Answer
         raise ApiError(500, "the worker answered a slot action with something else", "internal_error")
     if item.error is not None:
-        raise ApiError(STATUS.get(item.error_code or "", 500), item.error, item.error_code)
+        raise ApiError(STATUS.get(item.error_code or "", 500), item.error, item.error_code,
+                       retry_after=1 if item.error_code == "context_full" else None)
     n_tokens, n_bytes = (item.tokens + [0, 0])[:2]
     ms = (time.perf_counter() - start) * 1000
     if action == "erase":
