@@ -56,7 +56,7 @@ def check_tags(tags: list[str]) -> list[str]:
     out: list[str] = []
     for tag in tags:
         if not isinstance(tag, str) or not TAG.fullmatch(tag.strip()) \
-                or any(unicodedata.category(ch)[0] == "C" for ch in tag.strip()):  # controls, bidi, zero-width
+                or any(unicodedata.category(ch) in ("Cc", "Cf") for ch in tag.strip()):  # controls, bidi, zero-width
             raise ValueError(f"tag {str(tag)[:80]!r} must be {TAG_RULE}")
         if tag.strip() not in out:
             out.append(tag.strip())

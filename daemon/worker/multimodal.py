@@ -31,9 +31,9 @@ class MediaPrompts:
             return self.lib.mtmd_helper_get_n_tokens(chunks)
 
     def evaluate(self, lctx: ctypes.c_void_p, text: str, images: list[bytes], seq_id: int, n_batch: int,
-                 n_ctx_slot: int, make_room: Callable[[int], None] = lambda n_pos: None) -> tuple[int, int]:
+                 n_ctx_slot: int, make_room: Callable[[int], object] | None = None) -> tuple[int, int]:
         """Decode text+images into sequence `seq_id` from position 0, logits for the
-        last position; make_room(positions) first (a shared KV pool frees cells for them).
+        last position; make_room(positions) first, when the slots share a KV pool (it frees cells for them).
         Returns (positions used, prompt tokens)."""
         lib = self.lib
         with self._chunks(text, images) as chunks:
@@ -42,10 +42,11 @@ class MediaPrompts:
                 raise MediaError(f"prompt with images needs {n_pos} positions; a slot holds {n_ctx_slot}: "
                                  f"{context_advice()}",
                                  "context_length_exceeded")
-            make_room(n_pos)
+            if make_room is not None:
+                make_room(n_pos)
             new_n_past = llama.llama_pos(0)
             rc = lib.mtmd_helper_eval_chunks(self.ctx, lctx, chunks, 0, seq_id, n_batch, True, ctypes.byref(new_n_past))
-            if rc == 1:  # llama_decode found no cells: busy slots hold a shared pool (kv_unified)
+            if rc == 1 and make_room is not None:  # no cells: busy slots hold the shared pool (1 is also a failed encode)
                 raise MediaError("context size has been exceeded: the slots share one KV pool (kv_unified) and "
                                  "busy slots hold the room this prompt with its images needs. Retry, or raise "
                                  "ctx_size", "context_full")

@@ -366,6 +366,11 @@ class PromptCache:
             if lookup:
                 self.counts.misses += 1
             return 0, 0.0, lookup, None, ""
+        # A RAM entry's blocks are held, and the entry made the most recently used, before anything is
+        # stashed: the stash below (or room_for's evictions into RAM) may push entries out of a full tier.
+        parts = self.ram.caches(found) if tier == "ram" else None
+        if parts is not None:
+            self.ram.touch(found)
         self.stash(slot, 0)
         if tier == "disk":  # read and checked by the reader thread, whichever thread waits for it
             read = self.reader.start(found, name, start)
@@ -373,7 +378,7 @@ class PromptCache:
                 return read
             read.done.wait()
             return self.finish_read(slot, read)
-        return self._restored(slot, name, self._restore(slot, found, tier), tier, start)
+        return self._restored(slot, name, self._restore(slot, found, parts), tier, start)
 
     def finish_read(self, slot: Slot, read: DiskRead) -> tuple[int, float, str, str | None, str]:
         """The decode thread's half of a disk restore read off it (read.done is
@@ -392,9 +397,11 @@ class PromptCache:
 
     def _restored(self, slot: Slot, scope: str, rejected: str | None, tier: str,
                   start: float) -> tuple[int, float, str, str | None, str]:
+        if rejected == NO_ROOM:  # the pool is full, the entry sound: what the slot itself keeps serves, if any
+            return 0, time.perf_counter() - start, "", None, ""
         if rejected is not None or not slot.cache:
             self.counts.misses += 1
-            return 0, time.perf_counter() - start, "miss", None if rejected == NO_ROOM else rejected, ""
+            return 0, time.perf_counter() - start, "miss", rejected, ""
         slot.scope = scope  # the entry was this scope's
         return len(slot.cache), time.perf_counter() - start, "hit", None, tier
 
@@ -408,16 +415,16 @@ class PromptCache:
             self.counts.origin_hits[origin] += 1
             self.counts.origin_tokens[origin] += restored
 
-    def _restore(self, slot: Slot, entry, tier: str) -> str | None:
-        """A RAM entry into the slot (a disk entry goes through the reader: before_assign)."""
+    def _restore(self, slot: Slot, entry, parts: list) -> str | None:
+        """A RAM entry, its `parts` taken before anything could push it out, into the slot (a disk entry goes
+        through the reader: before_assign)."""
         if not self.room_for(slot, len(entry.tokens)):
             return NO_ROOM
         start = time.perf_counter()
         if len(self._scratch) < entry.state_bytes:  # grows to the largest entry restored, kept for the next
             self._scratch = np.empty(_grown(len(self._scratch), entry.state_bytes, self.ram.budget), np.uint8)
-        state = joined(self.ram.caches(entry), self._scratch)
+        state = joined(parts, self._scratch)
         ok = load_state(self.ctx, self.rule, slot, entry.tokens, state)
-        self.ram.touch(entry)
         self._time("ram_restore", len(state), start)
         return None if ok else "corrupt"
 

@@ -211,7 +211,8 @@ class SlotAssignment:
             self.speculator.forget(slot)
         try:
             n_pos, n_tokens = self.media.evaluate(self.ctx, text, images, slot.id, self.n_batch, self.n_ctx_slot,
-                                                  make_room=lambda n_pos: self._room_for_prompt(slot, n_pos))
+                                                  make_room=(lambda n_pos: self._room_for_prompt(slot, n_pos))
+                                                  if self.rt.spec.kv_unified else None)
             sampler = SamplerChain(msg.params, self.n_vocab, self.n_ctx_slot, self.vocab, eog=self.eog_tokens)
         except (MediaError, RequestError) as exc:
             llama.llama_memory_seq_rm(self.memory, slot.id, -1, -1)

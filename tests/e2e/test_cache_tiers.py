@@ -161,3 +161,22 @@ def test_slot_files_keep_their_scope(start_daemon, tmp_path):
     # Restored by Alice, it is hers again.
     assert d.http.post("/slots/0?action=restore", json={"filename": "a.bin"}, headers=alice).status_code == 200
     assert chat_as(alice, conv)[0] > 0
+
+
+def test_a_ram_restore_survives_the_stash_that_pushes_its_own_entry_out(start_daemon, tmp_path):
+    # One slot, a RAM tier that holds one conversation: the returning one's entry is found, then the
+    # slot's other conversation is stashed before the restore and pushes it out of the tier. The
+    # restore holds its blocks from the lookup on (it took the worker down: a KeyError on the gone entry).
+    d = start_daemon("--parallel", "1", "--ctx-size", "512", "--sleep-idle-seconds", "-1",
+                     "--state-dir", str(tmp_path / "s"),
+                     env={"DORMOUSE_KV_CACHE_MIN_TOKENS": "64", "DORMOUSE_PROMPT_CACHE_RAM_BYTES": "3MB",
+                          "DORMOUSE_KV_CACHE_DISK_BYTES": "0"})
+    d.wait_state("ready")
+    mill = " ".join(f"Line {i}: a short note about {TOPICS[0]}, its keeper and the weather on day {i}." for i in range(4))
+    other = " ".join(f"Line {i}: a short note about {TOPICS[1]}, its keeper and the weather on day {i}." for i in range(4))
+    for prompt in (mill, other):
+        assert d.http.post("/completion", json={"prompt": prompt, "n_predict": 1}).status_code == 200
+    r = d.http.post("/completion", json={"prompt": mill + " Line 4: and then", "n_predict": 1})
+    assert r.status_code == 200, r.text
+    assert r.json()["tokens_cached"] >= 64 and r.json()["timings"]["cache_tier"] == "ram"
+    assert d.http.get("/health").json()["state"] == "ready"

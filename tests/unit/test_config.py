@@ -113,6 +113,8 @@ def test_a_shared_kv_pool_gives_a_slot_the_whole_context_and_a_table_may_turn_it
         ('tags = ["chat", " small ", "chat"]\n[models.m]\n', {}, ["chat", "small"], None),
         ("[models.m]\ntags = []\n", {"DORMOUSE_TAGS": "chat, fim,,small"}, ["chat", "fim", "small"], []),
         ('[models.m]\ntags = ["code"]\n', {"DORMOUSE_TAGS": '["a b", "c"]'}, ["a b", "c"], ["code"]),
+        ('tags = ["\ue0b0 powerline", "\U0001fae8", "caf\u00e9"]\n[models.m]\n', {},  # private use, new emoji
+         ["\ue0b0 powerline", "\U0001fae8", "caf\u00e9"], None),
     ],
 )
 def test_tags_are_kept_once_in_order_and_a_table_replaces_them(tmp_path, monkeypatch, toml, env, expected, table):
