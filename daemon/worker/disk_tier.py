@@ -26,7 +26,7 @@ import numpy as np
 from daemon.model.kv_files import (FORMAT_VERSION, KvEntry, KvFileError, KvHeader, KvIndex, VerifiedSeals,
                                    model_fingerprint, read_header, read_sealed, write_file)
 from daemon.worker import prompt_blocks as blocks
-from daemon.worker.kv_cache import best_indexed, context_layout, held_by, load_state
+from daemon.worker.kv_cache import NO_ROOM, best_indexed, context_layout, held_by, load_state
 from daemon.worker.reuse import ReuseRule
 from daemon.worker.shared_tier import SharedPrompts
 from daemon.worker.slot import Slot
@@ -48,6 +48,9 @@ class SavedPrompts:
         self.rejected_at_load = dict(self.index.rejected)
         self.evicted = 0  # files deleted to stay within the budget
         self.n_stream = 1 if spec.kv_unified else max(1, spec.parallel)  # one stream per slot, or one shared
+        # In a shared pool a state llama.cpp refuses may only have found no cells (cells and positions differ
+        # for images on M-RoPE models, so the free count is an estimate): a miss, the checked file kept.
+        self.pool_shared = spec.kv_unified
         self.verified = VerifiedSeals()  # files checked once in this worker (read by any thread, under the lock)
         self.shared: SharedPrompts | None = None
         if spec.kv_shared_dir:
@@ -77,12 +80,6 @@ class SavedPrompts:
         with self.lock:
             return held_by(self.rule, self.index.prefix, tokens, scope)
 
-    def load(self, slot: Slot, entry: KvEntry, out: np.ndarray | None = None) -> str | None:
-        """Restore a file into the slot on this thread; None, or why it failed (the
-        file is forgotten, or deleted as untrusted)."""
-        state, reason = self.read(entry, out)
-        return reason if state is None else self.install(slot, entry, state)
-
     def read(self, entry: KvEntry, out: np.ndarray | None = None) -> tuple[np.ndarray | None, str | None]:
         """(the file's checked state, None) or (None, why not): any thread. The
         state is a view of `out` when it is large enough. A file that fails a
@@ -100,9 +97,11 @@ class SavedPrompts:
         return state, None
 
     def install(self, slot: Slot, entry: KvEntry, state) -> str | None:
-        """Put a state read() checked into the slot (the decode thread). None, or "corrupt"."""
+        """Put a state read() checked into the slot (the decode thread). None, NO_ROOM or "corrupt"."""
         shared = self.shared is not None and self.shared.owns(entry)
         if not load_state(self.ctx, self.rule, slot, entry.tokens, blocks.restreamed(state, self.n_stream)):
+            if self.pool_shared:
+                return NO_ROOM
             if shared:
                 self.shared._reject(entry, "corrupt")
             else:

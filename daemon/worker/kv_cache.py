@@ -20,6 +20,7 @@ from daemon.worker.reuse import ReuseRule
 from daemon.worker.slot import Checkpoint, Slot, common_prefix
 
 PARTIAL = llama.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY  # the window caches (or recurrent state) alone
+NO_ROOM = "no_room"  # a restore the shared KV pool had no cells for: a miss, not a rejected file
 
 
 def context_layout(ctx: ctypes.c_void_p, model: ctypes.c_void_p, rule: ReuseRule) -> dict[str, object]:

@@ -52,14 +52,13 @@ from daemon.worker import prompt_blocks as blocks
 from daemon.model.kv_files import PrefixIndex, scope_id
 from daemon.worker.disk_reads import DiskRead, DiskReader
 from daemon.worker.disk_tier import SavedPrompts
-from daemon.worker.kv_cache import best_indexed, checkpoint_state, held_by, load_state, slot_state
+from daemon.worker.kv_cache import NO_ROOM, best_indexed, checkpoint_state, held_by, load_state, slot_state
 from daemon.worker.llama_lib import llama
 from daemon.worker.reuse import ReuseRule
 from daemon.worker.slot import Slot
 
 WHOLE_SHARE = 0.5  # of the RAM tier's budget at most, the recent entries' states kept whole (RamTier.whole)
 WRITE_QUEUE = 16  # entries waiting for the disk at most; past it a write is skipped (counted), never waited for
-NO_ROOM = "no_room"  # a restore the shared KV pool had no cells for: a miss, not a rejected file
 READ_FIRST_SECONDS = 1.0  # the writer waits this long at most for the disk reads in flight before each write
 FLUSH_SECONDS = 10.0  # a sleep waits this long at most for the queued writes (teardown_timeout is 15 s)
 TIERS = ("slot", "ram", "disk")
@@ -330,6 +329,7 @@ class PromptCache:
         # it, or says there are none while busy slots hold them (the engine sets it). Without room a restore
         # is a miss, never a rejected file: the file is sound, the pool is full.
         self.room_for: Callable[[Slot, int], bool] = lambda slot, n: True
+        self.pool_shared = spec.kv_unified  # a refused state may only have found no cells (disk_tier.install)
 
     @property
     def enabled(self) -> bool:
@@ -426,7 +426,7 @@ class PromptCache:
         state = joined(parts, self._scratch)
         ok = load_state(self.ctx, self.rule, slot, entry.tokens, state)
         self._time("ram_restore", len(state), start)
-        return None if ok else "corrupt"
+        return None if ok else NO_ROOM if self.pool_shared else "corrupt"
 
     def _time(self, what: str, size: int, start: float) -> None:
         record = self.timings[what]
