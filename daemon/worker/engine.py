@@ -340,7 +340,7 @@ class Engine(PromptText, SlotAssignment, EmbeddingQueue):
     def _make_room(self, entries: list[tuple[Slot, int, bool]]) -> list[tuple[Slot, int, bool]]:
         """Free cells of the shared KV pool (kv_unified) for a batch that found none; the entries still to
         decode. First an idle slot's prompt leaves the pool, least recently used first (into the prompt
-        cache's RAM tier, so its conversation is not lost); with none left, the request that started last
+        cache's RAM or disk tier, so its conversation is not lost); with none left, the request that started last
         ends (context_full: the least work lost, and the requests before it go on); its cells are freed."""
         idle = self._idle_holding()
         if idle:
@@ -390,7 +390,7 @@ class Engine(PromptText, SlotAssignment, EmbeddingQueue):
         return self._free_cells(besides=slot) >= n_tokens
 
     def _evict(self, slot: Slot) -> None:
-        """An idle slot's prompt out of the shared pool, kept in the prompt cache's RAM tier when it is on."""
+        """An idle slot's prompt out of the shared pool, kept in the prompt cache's RAM or disk tier when on."""
         if self.saved is not None:
             self.saved.stash(slot, 0)
         self._empty(slot)
