@@ -309,12 +309,13 @@ class Settings(BaseSettings):
     def _unified_kv_is_not_deterministic(self) -> "Settings":
         # A shared pool puts a slot's cells wherever they are free, among the other slots' cells: llama.cpp's
         # attention then sums them in another order than a fresh read, so no answer is promised bit for bit.
+        def effective(table: ModelSettings | None, key: str) -> Any:  # a table's value, or the top level's
+            own = getattr(table, key) if table is not None else None
+            return getattr(self, key) if own is None else own
+
         tables = [(f"[models.{model_id}]: ", table) for model_id, table in self.models.items()] or [("", None)]
         for where, table in tables:
-            unified = table.kv_unified if table is not None and table.kv_unified is not None else self.kv_unified
-            exact = table.cache_deterministic if table is not None and table.cache_deterministic is not None \
-                else self.cache_deterministic
-            if unified and exact:
+            if effective(table, "kv_unified") and effective(table, "cache_deterministic"):
                 raise ValueError(f"{where}kv_unified and cache_deterministic cannot both be true: in a shared KV "
                                  "pool a slot's cells sit among the others', and a fresh read's answer is not "
                                  "promised bit for bit")

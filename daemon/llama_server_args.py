@@ -168,9 +168,9 @@ def _finish(out: Translation) -> None:
     if "ctx_size" in out.origins and "parallel" not in out.settings and "kv_unified" not in out.settings:
         # llama-server's -np auto (its default) turns on -kvu: any one slot may grow to all of -c. Not copied:
         # which spelling a flag came in decides nothing else in Dormouse; said, so no conversation is cut short.
-        out.notes.append(f"{out.origins['ctx_size']} with no number of slots (-np absent or -1): llama-server's automatic slots share the whole "
-                         "context (-np auto turns -kvu on); here each slot has ctx_size / parallel (4 slots by "
-                         "default): add -kvu to share it as llama-server does")
+        out.notes.append(f"{out.origins['ctx_size']} with no number of slots (-np absent or -1): llama-server's "
+                         "automatic slots share the whole context (-np auto turns -kvu on); here each slot has "
+                         "ctx_size / parallel (4 slots by default): add -kvu to share it as llama-server does")
     _check_speculation(out)
     if out.settings.get("embeddings") and "n_ubatch" in out.llama_options:
         _fold_ubatch_into_batch(out)

@@ -354,16 +354,16 @@ class Engine(PromptText, SlotAssignment, EmbeddingQueue):
         if group is not None and not group.reserved and all(s.job.group is group for s in busy):
             # One request's n choices fill the pool between them: its longest choice is cut, as a slot of
             # its own would have been cut at its end (a retry would only fill it again).
-            longest = max(busy, key=lambda s: len(s.cache))
-            self._finish(longest, "length")
-            self._empty(longest)
-            return [entry for entry in entries if entry[0] is not longest]
-        self._finish(last, "error", code="context_full",
-                     error=f"context size has been exceeded: the slots share one KV pool of {self.n_ctx_slot} "
-                           "tokens (kv_unified) and it is full; this request started last, so it ended to let the "
-                           "others finish. Retry, or raise ctx_size")
-        self._empty(last)
-        return [entry for entry in entries if entry[0].job is not None and entry[0] is not last]
+            ended = max(busy, key=lambda s: len(s.cache))
+            self._finish(ended, "length")
+        else:
+            ended = last
+            self._finish(last, "error", code="context_full",
+                         error=f"context size has been exceeded: the slots share one KV pool of {self.n_ctx_slot} "
+                               "tokens (kv_unified) and it is full; this request started last, so it ended to let "
+                               "the others finish. Retry, or raise ctx_size")
+        self._empty(ended)
+        return [entry for entry in entries if entry[0].job is not None]  # an ended choice's siblings go too
 
     def _idle_holding(self, besides: Slot | None = None) -> list[Slot]:
         """Idle slots whose prompt is in the pool, least recently used first: none waiting for a disk read
