@@ -198,7 +198,7 @@ class Settings(BaseSettings):
                                   "asleep when idle still wakes. Set without a top-level model, it makes the daemon a "
                                   "router: model names must match")
 
-    # -- sampling defaults: for a request that leaves the field out (llama-server's -n, -s, --temp) --
+    # -- sampling defaults: for a request that leaves the field out (llama-server's -n, -s, --temp, --top-k...) --
     n_predict: int | None = Field(
         None, ge=-1, le=1_000_000,
         description="tokens a request generates when it names no limit (max_tokens, max_completion_tokens, "
@@ -206,6 +206,14 @@ class Settings(BaseSettings):
                     "routes, -1 on /completion")
     seed: int = Field(-1, ge=-1, le=2**32 - 1, description="sampling seed of a request that names none; -1: random")
     temperature: float = Field(0.8, ge=0.0, le=2.0, description="temperature of a request that names none; 0: greedy")
+    top_k: int = Field(40, ge=0, le=2**31 - 1, description="top_k of a request that names none; 0: off")
+    top_p: float = Field(0.95, gt=0.0, le=1.0, description="top_p of a request that names none; 1: off")
+    min_p: float = Field(0.05, ge=0.0, le=1.0, description="min_p of a request that names none; 0: off")
+    repeat_penalty: float = Field(1.0, gt=0.0, le=10.0, description="repeat_penalty of a request that names none")
+    repeat_last_n: int = Field(64, ge=-1, le=2**31 - 1,
+                               description="repeat_last_n of a request that names none; -1: the slot's context")
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0, description="presence_penalty of a request that names none")
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0, description="frequency_penalty of a request naming none")
 
     # -- the prompt cache: what it may change --
     cache_deterministic: bool = Field(

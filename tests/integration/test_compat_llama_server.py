@@ -421,6 +421,34 @@ async def test_requests_without_a_limit_take_the_servers_n_predict(submits):
         assert chat_own["max_tokens"] == 4
 
 
+SAMPLING = {"top_k": 20, "top_p": 0.8, "min_p": 0.0, "repeat_penalty": 1.05, "repeat_last_n": 128,
+            "presence_penalty": 1.5, "frequency_penalty": 0.1}
+
+
+async def test_requests_take_the_servers_sampler_settings_and_their_own_win(submits):
+    # llama-server's --top-k, --top-p, --min-p and penalties (a model's recommended sampling, in llama-swap's lines)
+    async with compat(**SAMPLING) as (controller, client):
+        await client.post("/completion", json={"prompt": "hi"})
+        await client.post("/v1/completions", json={"prompt": "hi"})
+        await client.post("/v1/chat/completions", json={"messages": ASK})
+        await client.post("/api/chat", json={"model": "default", "messages": ASK, "stream": False})
+        await client.post("/v1/messages", json={"model": "m", "max_tokens": 4, "messages": ASK})
+        for params in submits():
+            assert {key: params.get(key) for key in SAMPLING} == SAMPLING, params
+        own = {"top_k": 3, "top_p": 0.5, "min_p": 0.2, "repeat_penalty": 1.3, "repeat_last_n": 8,
+               "presence_penalty": -1.0, "frequency_penalty": 0.7}
+        await client.post("/completion", json={"prompt": "hi", **own})
+        await client.post("/v1/chat/completions", json={"messages": ASK, **own})
+        await client.post("/api/chat", json={"model": "default", "messages": ASK, "stream": False, "options": own})
+        for params in submits()[5:]:
+            assert {key: params.get(key) for key in own} == own, params
+        # /props and /slots say what a request that names nothing gets
+        shown = (await (await client.get("/props")).json())["default_generation_settings"]["params"]
+        assert {key: shown[key] for key in SAMPLING} == SAMPLING
+        parameters = (await (await client.post("/api/show", json={"model": "default"})).json())["parameters"]
+        assert "top_k 20\n" in parameters and "repeat_penalty 1.05\n" in parameters and "min_p 0.0\n" in parameters
+
+
 async def test_without_n_predict_each_dialect_keeps_its_default(submits):
     async with compat(ctx_size=512) as (controller, client):
         await client.post("/completion", json={"prompt": "hi"})
@@ -443,9 +471,22 @@ def test_sampling_defaults_as_settings_flags_and_their_bounds(monkeypatch, capsy
     assert (shown["n_predict"], shown["seed"], shown["temperature"]) == (9, 4, 0.2)
     monkeypatch.setenv("DORMOUSE_TEMPERATURE", "0.1")
     assert load_settings().temperature == 0.1
+    assert main(["check-config", "--top-k", "20", "--top-p", "0.8", "--min-p", "0", "--repeat-penalty", "1.1",
+                 "--repeat-last-n", "-1", "--presence-penalty", "1.5", "--frequency-penalty", "-2"]) == 0
+    shown = json.loads(capsys.readouterr().out)["settings"]
+    assert {key: shown[key] for key in SAMPLING} == {"top_k": 20, "top_p": 0.8, "min_p": 0.0, "repeat_penalty": 1.1,
+                                                     "repeat_last_n": -1, "presence_penalty": 1.5,
+                                                     "frequency_penalty": -2.0}
+    monkeypatch.setenv("DORMOUSE_TOP_K", "5")
+    assert load_settings().top_k == 5
     for cli, needle in (({"n_predict": 0}, "n_predict"), ({"n_predict": -2}, "n_predict"),
                         ({"seed": 2**32}, "seed"), ({"seed": -2}, "seed"), ({"temperature": 3}, "temperature"),
-                        ({"temperature": -0.1}, "temperature")):
+                        ({"temperature": -0.1}, "temperature"), ({"top_k": -1}, "top_k"), ({"top_k": 2**31}, "top_k"),
+                        ({"top_k": "many"}, "top_k"), ({"top_p": 0}, "top_p"), ({"top_p": 1.5}, "top_p"),
+                        ({"min_p": -0.1}, "min_p"), ({"min_p": float("nan")}, "min_p"),
+                        ({"repeat_penalty": 0}, "repeat_penalty"), ({"repeat_penalty": 11}, "repeat_penalty"),
+                        ({"repeat_last_n": -2}, "repeat_last_n"), ({"presence_penalty": 2.5}, "presence_penalty"),
+                        ({"frequency_penalty": -3}, "frequency_penalty"), ({"frequency_penalty": [1]}, "frequency_penalty")):
         with pytest.raises(ConfigError, match=needle):
             load_settings(cli=cli)
 

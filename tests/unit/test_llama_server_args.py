@@ -32,6 +32,13 @@ SAMPLES: dict[str, tuple[str, dict]] = {
     "-fa": ("auto", {"llama_options.flash_attn_type": -1}),
     "-s": ("4294967295", {"seed": -1}),
     "--temp": ("0.25", {"temperature": 0.25}),
+    "--top-k": ("20", {"top_k": 20}),
+    "--top-p": ("0.8", {"top_p": 0.8}),
+    "--min-p": ("0", {"min_p": 0.0}),
+    "--repeat-penalty": ("1.1", {"repeat_penalty": 1.1}),
+    "--repeat-last-n": ("-1", {"repeat_last_n": -1}),
+    "--presence-penalty": ("1.5", {"presence_penalty": 1.5}),
+    "--frequency-penalty": ("-0.5", {"frequency_penalty": -0.5}),
     "--pooling": ("cls", {"pooling": "cls"}),
     "--rope-scaling": ("yarn", {"llama_options.rope_scaling_type": 2}),
     "--rope-scale": ("4", {"llama_options.rope_freq_scale": 0.25}),
@@ -307,7 +314,10 @@ def test_dormouse_serve_flags_pass_through_untouched():
     (["-ub", "0"], "must be 1 or more"),
     (["--api-key-file", "/nonexistent/keys"], "cannot read"),
     (["-c", "x" * (2 << 20)], "longer than"),
-    (["--top-k", "40"], "--top-k is not supported: no server-wide default"),
+    (["--mirostat", "2"], "--mirostat is not supported: Dormouse's sampler chain is penalties, top-k"),
+    (["--ignore-eos"], "--ignore-eos is not supported: no server-wide default for it: send it in each request"),
+    (["--frequency-penalty", "nan"], "finite"), (["--top-p", "high"], "--top-p: expects a number"),
+    (["--top-k", "0.5"], "--top-k: expects an integer"),
     (["--spec-type", "ngram-mod"], "--spec-type 'ngram-mod' is not supported: Dormouse's speculation is draft-simple"),
     (["--spec-type", "draft-simple,ngram-cache"], "'ngram-cache' is not supported"),
     (["--spec-type", " , "], "' , ' is not supported"),
@@ -322,7 +332,8 @@ def test_hostile_command_lines_give_one_clear_error(argv, message):
     ({"LLAMA_ARG_CTX_SIZE": "big"}, "environment LLAMA_ARG_CTX_SIZE: expects an integer"),
     ({"LLAMA_ARG_EMBEDDINGS": "maybe"}, "environment LLAMA_ARG_EMBEDDINGS: expects on/off"),
     ({"LLAMA_ARG_WARMUP_X": "1", "LLAMA_ARG_N_PARALLEL": "2" * 40}, "expects an integer"),
-    ({"LLAMA_ARG_TOP_K": "5"}, "environment LLAMA_ARG_TOP_K is not supported"),
+    ({"LLAMA_ARG_CTX_CHECKPOINTS": "5"}, "environment LLAMA_ARG_CTX_CHECKPOINTS is not supported"),
+    ({"LLAMA_ARG_TOP_K": "few"}, "environment LLAMA_ARG_TOP_K: expects an integer"),
     ({"LLAMA_ARG_MODEL": "m" * (2 << 20)}, "longer than"),
 ])
 def test_hostile_variables_give_one_clear_error(environ, message):
@@ -484,8 +495,13 @@ def test_older_llama_server_spellings_of_the_load_mode(argv, environ, load_mode)
      {}),
     # llama.cpp's test suite: per-token vectors (pooling none)
     ("-m /m/e.gguf --embeddings --pooling none", {"model": "/m/e.gguf", "embeddings": True, "pooling": "none"}, {}),
-    ("--port 9003 -m /m/q.gguf -c 32768 -fa on -ctk q8_0 -ctv q8_0 --temp 0.6 --top-k 20",
-     None, None),  # --top-k: no server-wide sampling default other than -n, -s, --temp
+    # a model's recommended sampling (Qwen3's), as llama-swap's examples carry it: the server-wide defaults
+    ("--port 9003 -m /m/q.gguf -c 32768 -np 1 -fa on -ctk q8_0 -ctv q8_0 --temp 0.6 --top-k 20 --top-p 0.95 "
+     "--min-p 0 --repeat-penalty 1.05 --repeat-last-n 128 --presence-penalty 1.5 --frequency-penalty 0.1",
+     {"port": 9003, "model": "/m/q.gguf", "ctx_size": 32768, "parallel": 1, "temperature": 0.6, "top_k": 20,
+      "top_p": 0.95, "min_p": 0.0, "repeat_penalty": 1.05, "repeat_last_n": 128, "presence_penalty": 1.5,
+      "frequency_penalty": 0.1},
+     {"flash_attn_type": 1, "type_k": 8, "type_v": 8}),
 ])
 def test_command_lines_from_scripts_translate_whole(line, settings, llama_options):
     argv = shlex.split(line)

@@ -238,6 +238,11 @@ class StreamOptions(RequestModel):
     include_usage: bool = False
 
 
+# The sampling fields a request may leave to the server's settings (llama-server's --temp, --top-k, ...: same names).
+SERVER_DEFAULTED = ("temperature", "seed", "top_k", "top_p", "min_p", "repeat_penalty", "repeat_last_n",
+                    "presence_penalty", "frequency_penalty")
+
+
 class SamplingFields(RequestModel):
     model_config = ConfigDict(extra="allow")
 
@@ -328,24 +333,18 @@ class SamplingFields(RequestModel):
 
     def sampling(self, max_tokens: int, grammar: str | None = None, logprobs: int | None = None,
                  defaults: Any = None) -> p.SamplingParams:
-        """defaults: the server's sampling defaults (the model's settings: temperature, seed), for the fields
+        """defaults: the server's sampling defaults (the settings of SERVER_DEFAULTED's names), for the fields
         this request left out (pydantic's defaults are static; model_fields_set says what was sent)."""
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         biases = self.logit_biases()
         sent = self.model_fields_set
-        temperature = self.temperature if defaults is None or "temperature" in sent else defaults.temperature
-        seed = self.seed if defaults is None or "seed" in sent else defaults.seed
+        value = {name: getattr(self if defaults is None or name in sent else defaults, name)
+                 for name in SERVER_DEFAULTED}
+        seed = value.pop("seed")
         return p.SamplingParams(
             max_tokens=max_tokens,
-            temperature=temperature,
-            top_k=self.top_k,
-            top_p=self.top_p,
-            min_p=self.min_p,
             seed=None if seed is None or seed < 0 else seed,
-            repeat_penalty=self.repeat_penalty,
-            repeat_last_n=self.repeat_last_n,
-            presence_penalty=self.presence_penalty,
-            frequency_penalty=self.frequency_penalty,
+            **value,
             logit_bias=biases[0],
             logit_bias_text=biases[1],
             stop=stop,

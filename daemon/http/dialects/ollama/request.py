@@ -449,7 +449,8 @@ async def chat(request: web.Request) -> web.StreamResponse:
     messages = chat_inputs(request, openai_body, "images")[0]
     grammar = await _grammar(request, openai_body, chat=openai_body)
     _generative(request, model, openai_body)
-    params = openai_body.sampling(openai_body.token_limit, grammar, openai_body.wanted_logprobs)
+    params = openai_body.sampling(openai_body.token_limit, grammar, openai_body.wanted_logprobs,
+                                  defaults=model.controller.settings)
     job = model.controller.new_job("ollama.chat", params, messages=messages, keep_alive=body.keep_alive,
                                    tools=[t.to_protocol() for t in openai_body.tools or ()])
     return await answer(request, model, job, lines, body.stream, tool_mode(openai_body))
@@ -475,7 +476,8 @@ async def generate(request: web.Request) -> web.StreamResponse:
         openai_body = _validate_as(CompletionRequest, {**fields, "prompt": body.prompt}, request)
         grammar = await _grammar(request, openai_body)
         _generative(request, model, openai_body)
-        params = openai_body.sampling(openai_body.max_tokens, grammar, openai_body.logprobs)
+        params = openai_body.sampling(openai_body.max_tokens, grammar, openai_body.logprobs,
+                                      defaults=model.controller.settings)
         job = model.controller.new_job("ollama.generate", params, prompt=body.prompt, keep_alive=body.keep_alive)
         return await answer(request, model, job, lines, body.stream, None)
     messages = [OllamaMessage(role="system", content=body.system)] if body.system else []
@@ -484,7 +486,8 @@ async def generate(request: web.Request) -> web.StreamResponse:
     protocol = chat_inputs(request, openai_body, "images")[0]
     grammar = await _grammar(request, openai_body, chat=openai_body)
     _generative(request, model, openai_body)
-    params = openai_body.sampling(openai_body.token_limit, grammar, openai_body.wanted_logprobs)
+    params = openai_body.sampling(openai_body.token_limit, grammar, openai_body.wanted_logprobs,
+                                  defaults=model.controller.settings)
     job = model.controller.new_job("ollama.generate", params, messages=protocol, keep_alive=body.keep_alive)
     return await answer(request, model, job, lines, body.stream, None)
 
