@@ -449,6 +449,18 @@ async def test_requests_take_the_servers_sampler_settings_and_their_own_win(subm
         assert "top_k 20\n" in parameters and "repeat_penalty 1.05\n" in parameters and "min_p 0.0\n" in parameters
 
 
+async def test_ollamas_seed_minus_one_is_random_over_a_server_seed(submits):
+    async with compat(seed=7, temperature=0.3) as (controller, client):
+        for options in ({}, {"seed": -1}, {"seed": 5, "temperature": 0.9}):
+            answer = await client.post("/api/chat", json={"model": "default", "messages": ASK, "stream": False,
+                                                          "options": options})
+            assert answer.status == 200, await answer.text()
+        server, random, own = submits()
+        assert (server["seed"], server["temperature"]) == (7, 0.3)
+        assert "seed" not in random and random["temperature"] == 0.3  # Ollama's -1: random, as llama.cpp's
+        assert (own["seed"], own["temperature"]) == (5, 0.9)
+
+
 async def test_without_n_predict_each_dialect_keeps_its_default(submits):
     async with compat(ctx_size=512) as (controller, client):
         await client.post("/completion", json={"prompt": "hi"})

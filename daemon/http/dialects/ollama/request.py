@@ -358,8 +358,6 @@ def _sampling_fields(body: OllamaGenerationFields, model: FleetModel) -> dict[st
                        param=name) from None
     check_num_ctx(known.num_ctx, model)
     fields = {name: options[name] for name in SAMPLING_OPTIONS if options.get(name) is not None}
-    if fields.get("seed") == -1:
-        del fields["seed"]  # llama.cpp's "random"
     settings = model.controller.settings
     predict = known.num_predict if known.num_predict is not None and known.num_predict > 0 else settings.ctx_size
     fields["max_tokens"] = min(predict, MAX_NUM_PREDICT)  # -1, -2: the worker stops at the end of the slot
