@@ -38,6 +38,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from config.llama_options import LlamaOptions
+from config.sampling import (SAMPLING_KEYS, MinP, NPredict, Penalty, RepeatLastN, RepeatPenalty, Seed, Temperature,
+                             TopK, TopP)
 
 # A model's id or alias: what requests name. Parts joined by '/' as llama-server's router names models
 # (owner/name:QUANT), each part starting with a letter or digit (no '.' or '..' part, no leading, trailing
@@ -76,7 +78,8 @@ _UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
 PER_MODEL_KEYS = ("model_draft", "mmproj", "ctx_size", "parallel", "threads", "n_gpu_layers", "batch_size",
                   "chat_template_file", "chat_template", "draft_max", "draft_min", "draft_p_min", "cpu_repack", "warmup",
                   "sleep_idle_seconds", "spawn_ahead", "embeddings", "pooling", "cache_deterministic", "kv_unified",
-                  "cache_checkpoint_every", "drowsy_after", "deep_after", "load_mode", "llama_options", "tags")
+                  "cache_checkpoint_every", "drowsy_after", "deep_after", "load_mode", "llama_options", "tags",
+                  *SAMPLING_KEYS)
 
 # llama.cpp's built-in chat templates, by name (its llama_chat_builtin_templates;
 # tests/unit/test_chat_templates.py checks this copy against the library).
@@ -158,6 +161,17 @@ class ModelSettings(BaseModel):
     cache_deterministic: bool | None = None
     kv_unified: bool | None = None
     cache_checkpoint_every: int | None = Field(None, ge=0, le=2**24)
+    # sampling defaults of a request to this model that names none, over the top level's (config/sampling.py)
+    n_predict: NPredict | None = None
+    seed: Seed | None = None
+    temperature: Temperature | None = None
+    top_k: TopK | None = None
+    top_p: TopP | None = None
+    min_p: MinP | None = None
+    repeat_penalty: RepeatPenalty | None = None
+    repeat_last_n: RepeatLastN | None = None
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
 
     @field_validator("aliases")
     @classmethod

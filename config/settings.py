@@ -36,6 +36,8 @@ from config.network import MAX_HOSTS, admin_key_problem, host_list, is_loopback_
 from config.models import (MAX_TAGS, MODEL_ID, ModelSettings, check_chat_template, check_model_ids, check_tags,  # noqa: E402
                            parse_size)
 from config.sources import find_config_file  # noqa: E402
+from config.sampling import (MinP, NPredict, Penalty, RepeatLastN, RepeatPenalty, Seed, Temperature,  # noqa: E402
+                             TopK, TopP)
 from config.llama_options import LlamaOptions  # noqa: E402
 from config.template_kwargs import check_template_kwargs  # noqa: E402
 
@@ -199,21 +201,20 @@ class Settings(BaseSettings):
                                   "router: model names must match")
 
     # -- sampling defaults: for a request that leaves the field out (llama-server's -n, -s, --temp, --top-k...) --
-    n_predict: int | None = Field(
-        None, ge=-1, le=1_000_000,
-        description="tokens a request generates when it names no limit (max_tokens, max_completion_tokens, "
-                    "n_predict); -1: until the end of generation or of the slot's context; none: 256 on the OpenAI "
-                    "routes, -1 on /completion")
-    seed: int = Field(-1, ge=-1, le=2**32 - 1, description="sampling seed of a request that names none; -1: random")
-    temperature: float = Field(0.8, ge=0.0, le=2.0, description="temperature of a request that names none; 0: greedy")
-    top_k: int = Field(40, ge=0, le=2**31 - 1, description="top_k of a request that names none; 0: off")
-    top_p: float = Field(0.95, gt=0.0, le=1.0, description="top_p of a request that names none; 1: off")
-    min_p: float = Field(0.05, ge=0.0, le=1.0, description="min_p of a request that names none; 0: off")
-    repeat_penalty: float = Field(1.0, gt=0.0, le=10.0, description="repeat_penalty of a request that names none")
-    repeat_last_n: int = Field(64, ge=-1, le=2**31 - 1,
-                               description="repeat_last_n of a request that names none; -1: the slot's context")
-    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0, description="presence_penalty of a request that names none")
-    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0, description="frequency_penalty of a request naming none")
+    n_predict: NPredict | None = Field(
+        None, description="tokens a request generates when it names no limit (max_tokens, max_completion_tokens, "
+                          "n_predict); -1: until the end of generation or of the slot's context; none: 256 on the "
+                          "OpenAI routes, -1 on /completion")
+    seed: Seed = Field(-1, description="sampling seed of a request that names none; -1: random")
+    temperature: Temperature = Field(0.8, description="temperature of a request that names none; 0: greedy")
+    top_k: TopK = Field(40, description="top_k of a request that names none; 0: off")
+    top_p: TopP = Field(0.95, description="top_p of a request that names none; 1: off")
+    min_p: MinP = Field(0.05, description="min_p of a request that names none; 0: off")
+    repeat_penalty: RepeatPenalty = Field(1.0, description="repeat_penalty of a request that names none")
+    repeat_last_n: RepeatLastN = Field(64, description="repeat_last_n of a request that names none; -1: the slot's "
+                                                       "context")
+    presence_penalty: Penalty = Field(0.0, description="presence_penalty of a request that names none")
+    frequency_penalty: Penalty = Field(0.0, description="frequency_penalty of a request that names none")
 
     # -- the prompt cache: what it may change --
     cache_deterministic: bool = Field(
@@ -281,13 +282,6 @@ class Settings(BaseSettings):
     def _idle(cls, value: float) -> float:
         if not math.isfinite(value) or (value < 0 and value != -1):
             raise ValueError("must be >= 0, or -1 for never")
-        return value
-
-    @field_validator("n_predict")
-    @classmethod
-    def _some_tokens(cls, value: int | None) -> int | None:
-        if value == 0:
-            raise ValueError("0 predicts nothing: give at least 1, or -1 for until the end")
         return value
 
     @field_validator("memory_budget", mode="before")

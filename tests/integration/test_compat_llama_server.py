@@ -16,7 +16,7 @@ from contextlib import asynccontextmanager
 import pytest
 
 from config import ConfigError, load_settings
-from tests.conftest import fake_daemon
+from tests.conftest import fake_daemon, fake_fleet
 from tests.integration.test_http_hardening import error_of, ready
 
 COMPAT = "tests.fixtures.compat_fake_worker"
@@ -447,6 +447,30 @@ async def test_requests_take_the_servers_sampler_settings_and_their_own_win(subm
         assert {key: shown[key] for key in SAMPLING} == SAMPLING
         parameters = (await (await client.post("/api/show", json={"model": "default"})).json())["parameters"]
         assert "top_k 20\n" in parameters and "repeat_penalty 1.05\n" in parameters and "min_p 0.0\n" in parameters
+
+
+async def test_each_model_of_a_fleet_takes_its_own_tables_sampling_defaults(submits, bundled_model):
+    from config import Settings
+    from daemon.fleet.plans import model_plans
+
+    # a [models.ID] table's values win over the top level's (a preset section's --top-k ...: its model's)
+    settings = Settings(top_k=30, models={"qwen": {"path": bundled_model, "top_k": 20, "temperature": 0.6},
+                                          "plain": {"path": bundled_model}})
+    plans = {plan.id: plan.settings for plan in model_plans(settings, fetch=False)}
+    assert (plans["qwen"].top_k, plans["qwen"].temperature) == (20, 0.6)
+    assert (plans["plain"].top_k, plans["plain"].temperature) == (30, 0.8)
+    tables = {"qwen": {"top_k": 20, "temperature": 0.6}, "plain": {}}
+    async with fake_fleet(models=tables, top_k=30, **SMALL) as (fleet, client):
+        for model in ("qwen", "plain"):
+            answer = await client.post("/v1/chat/completions", json={"model": model, "messages": ASK})
+            assert answer.status == 200, await answer.text()
+            answer = await client.post("/api/chat", json={"model": model, "messages": ASK, "stream": False})
+            assert answer.status == 200, await answer.text()
+        qwen, qwen_ollama, plain, plain_ollama = submits()
+        for params in (qwen, qwen_ollama):
+            assert (params["top_k"], params["temperature"]) == (20, 0.6)
+        for params in (plain, plain_ollama):
+            assert (params["top_k"], params["temperature"]) == (30, 0.8)
 
 
 async def test_ollamas_seed_minus_one_is_random_over_a_server_seed(submits):

@@ -128,3 +128,18 @@ def test_a_preset_that_refers_to_itself_is_one_error_not_a_recursion(tmp_path):
     with pytest.raises(LlamaServerArgsError, match="a preset cannot name another"):
         translate(["--models-preset", str(path)], {}, {})
 
+
+
+def test_a_models_recommended_sampling_in_its_section_is_that_models_default(tmp_path):
+    # llama-server presets carry each model's sampling (Qwen3: temp 0.6, top-k 20); [*]'s is every model's
+    text = ("[*]\ntop-k = 30\n\n[qwen]\nmodel = /m/q.gguf\ntemp = 0.6\ntop-k = 20\nLLAMA_ARG_TOP_P = 0.95\nmin-p = 0\n"
+            "presence-penalty = 1.5\nn-predict = 512\n\n[plain]\nmodel = /m/p.gguf\n")
+    t = preset(tmp_path, text)
+    assert t.settings["models"]["qwen"] == {"path": "/m/q.gguf", "temperature": 0.6, "top_k": 20, "top_p": 0.95,
+                                            "min_p": 0.0, "presence_penalty": 1.5, "n_predict": 512}
+    settings = Settings(**t.serve_settings())
+    assert settings.top_k == 30 and settings.models["plain"].top_k is None  # the top level's applies to it
+    with pytest.raises(ValueError, match="top_k"):
+        Settings(**preset(tmp_path, "[qwen]\nmodel = /m/q.gguf\ntop-k = -1\n").serve_settings())
+    with pytest.raises(ValueError, match="n_predict"):
+        Settings(**preset(tmp_path, "[qwen]\nmodel = /m/q.gguf\nn-predict = 0\n").serve_settings())
