@@ -442,6 +442,9 @@ async def test_requests_take_the_servers_sampler_settings_and_their_own_win(subm
         await client.post("/api/chat", json={"model": "default", "messages": ASK, "stream": False, "options": own})
         for params in submits()[5:]:
             assert {key: params.get(key) for key in own} == own, params
+        # the Responses object echoes the values used, the server's where the request named none
+        echoed = await (await client.post("/v1/responses", json={"model": "m", "input": "hi"})).json()
+        assert echoed["top_p"] == SAMPLING["top_p"] and echoed["temperature"] == 0.8, echoed
         # /props and /slots say what a request that names nothing gets
         shown = (await (await client.get("/props")).json())["default_generation_settings"]["params"]
         assert {key: shown[key] for key in SAMPLING} == SAMPLING

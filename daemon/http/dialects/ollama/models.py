@@ -240,7 +240,8 @@ async def show(request: web.Request) -> web.Response:
         info["general.parameter_count"] = facts.n_params
     settings = model.controller.settings  # what a request that names nothing gets (the server-wide defaults)
     defaults = {key: getattr(settings, key)
-                for key in ("temperature", "top_k", "top_p", "min_p", "repeat_penalty", "repeat_last_n")}
+                for key in ("temperature", "top_k", "top_p", "min_p", "repeat_penalty", "repeat_last_n",
+                            "presence_penalty", "frequency_penalty")}
     parameters = "\n".join(f"{key} {value}" for key, value in {"num_ctx": slot_context(model), **defaults}.items())
     modelfile = (f"# Dormouse serves {model.id} from its configuration; Modelfiles are not read.\n"
                  f"FROM {model.controller.model_path}\n"

@@ -45,7 +45,7 @@ def _item_id(prefix: str) -> str:
 class ResponseShape:
     """The response object of one request: what it echoes of the request, and its output items."""
 
-    def __init__(self, job_id: str, model: str, body, chat: ChatJobRequest) -> None:
+    def __init__(self, job_id: str, model: str, body, chat: ChatJobRequest, params: p.SamplingParams) -> None:
         self.id = "resp_" + job_id.split("-", 1)[-1]
         self.created_at = int(time.time())
         self.max_tool_calls = body.max_tool_calls
@@ -57,7 +57,7 @@ class ResponseShape:
             "max_tool_calls": body.max_tool_calls, "metadata": body.metadata or {}, "model": model,
             "parallel_tool_calls": chat.parallel_tool_calls, "previous_response_id": None,
             "reasoning": {"effort": None, "summary": None}, "service_tier": "default", "store": False,
-            "temperature": chat.temperature, "top_p": chat.top_p, "top_logprobs": body.top_logprobs,
+            "temperature": params.temperature, "top_p": params.top_p, "top_logprobs": body.top_logprobs,  # as used
             "text": {"format": fmt.echo() if fmt is not None else {"type": "text"}, "verbosity": "medium"},
             "tool_choice": body.tool_choice or "auto", "tools": [tool.echo() for tool in body.tools or ()],
             "truncation": "disabled", "user": body.safety_identifier or chat.user,

@@ -497,7 +497,7 @@ async def responses(request: web.Request) -> web.StreamResponse:
     body = await parse_body(request, ResponsesRequest)
     chat = body.chat_request(request.app[FLEET].max_ctx_size)
     model, job = await chat_job(request, chat, "responses", param="input", rename=_renamed)
-    shape = ResponseShape(job.id, model.id, body, chat)
+    shape = ResponseShape(job.id, model.id, body, chat, job.submit.params)
     return await answer(request, model, job, shape, tool_mode(chat), body.stream)
 
 
