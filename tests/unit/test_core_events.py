@@ -290,8 +290,8 @@ def responses_shape() -> ResponseShape:
     body = SimpleNamespace(max_tool_calls=None, wants_logprobs=True, format=None, instructions=None,
                            max_output_tokens=None, metadata=None, top_logprobs=None, tool_choice=None, tools=None,
                            safety_identifier=None)
-    chat = SimpleNamespace(parallel_tool_calls=True, temperature=None, top_p=None, user=None, timings_per_token=False)
-    return ResponseShape("job-1", "m", body, chat)
+    chat = SimpleNamespace(parallel_tool_calls=True, user=None, timings_per_token=False)
+    return ResponseShape("job-1", "m", body, chat, SimpleNamespace(temperature=0.8, top_p=0.95))
 
 
 def test_responses_streams_the_message_item_the_call_item_and_completed():
