@@ -24,6 +24,8 @@ from typing import Annotated, Any, Literal
 import msgspec
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr, ValidationInfo, field_validator, model_validator
 
+from config.sampling import (SAMPLING_KEYS, MinP, Penalty, RepeatLastN, RepeatPenalty, Temperature, TopK,
+                             TopP)
 from daemon import protocol as p
 from daemon.logs import get_logger
 
@@ -238,27 +240,27 @@ class StreamOptions(RequestModel):
     include_usage: bool = False
 
 
-# The sampling fields a request may leave to the server's settings (llama-server's --temp, --top-k, ...: same names).
-SERVER_DEFAULTED = ("temperature", "seed", "top_k", "top_p", "min_p", "repeat_penalty", "repeat_last_n",
-                    "presence_penalty", "frequency_penalty")
+# The sampling fields a request may leave to the server's settings (llama-server's --temp, --top-k, ...: same names;
+# n_predict is the token limit each route reads on its own).
+SERVER_DEFAULTED = tuple(name for name in SAMPLING_KEYS if name != "n_predict")
 
 
 class SamplingFields(RequestModel):
     model_config = ConfigDict(extra="allow")
 
     model: str | None = None
-    temperature: float = Field(0.8, ge=0.0, le=2.0)
-    top_p: float = Field(0.95, gt=0.0, le=1.0)
-    top_k: int = Field(40, ge=0, le=INT32_MAX)
-    min_p: float = Field(0.05, ge=0.0, le=1.0)
+    temperature: Temperature = 0.8  # the bounds the server's defaults have (config/sampling.py)
+    top_p: TopP = 0.95
+    top_k: TopK = 40
+    min_p: MinP = 0.05
     seed: int | None = Field(None, ge=-1, le=2**63 - 1, description="-1: a random seed")
     stop: Stop = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    repeat_penalty: float = Field(1.0, gt=0.0, le=10.0)
-    repeat_last_n: int = Field(64, ge=-1, le=INT32_MAX, description="-1: the slot's context")
+    presence_penalty: Penalty = 0.0
+    frequency_penalty: Penalty = 0.0
+    repeat_penalty: RepeatPenalty = 1.0
+    repeat_last_n: RepeatLastN = Field(64, description="-1: the slot's context")
     logit_bias: (Annotated[dict[str, float | Literal[False]], Field(max_length=MAX_LOGIT_BIAS)]
                  | Annotated[list[tuple[TokenId | Annotated[str, Field(min_length=1, max_length=MAX_BIAS_TEXT_CHARS)],
                                         float | Literal[False]]], Field(max_length=MAX_LOGIT_BIAS)]
