@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from daemon import protocol as p
+from daemon.model.liveness import LivenessClock
 
 
 class LoadFailed(RuntimeError):
@@ -370,24 +371,31 @@ class Supervisor:
 
     async def _watch_liveness(self, worker: Worker) -> None:
         """Ping a serving worker; kill it when nothing has come back for liveness_timeout, or
-        when its last Pong says one step has run longer than that (stuck, though answering)."""
+        when its last Pong says one step has run longer than that (stuck, though answering).
+        LivenessClock forgives the time this process itself was stalled."""
         timeout = self.liveness_timeout
         interval = max(0.1, timeout / 4)
+        clock = LivenessClock(timeout, interval)
         seq = 0
         worker.step_seconds = 0.0
         while worker.phase == "serving" and worker.proc.returncode is None:
+            due = time.monotonic() + interval
             await asyncio.sleep(interval)
             if worker.phase != "serving":
                 return  # a teardown has its own bound
-            silent = time.monotonic() - worker.last_heard
-            if silent > timeout:
+            now = time.monotonic()
+            clock.woke(now, due)
+            verdict = clock.verdict(now, worker.last_heard, worker.step_seconds)
+            if verdict == "silent":
+                silent = clock.silent_seconds(now, worker.last_heard)
                 self.log.error("worker.hung", pid=worker.pid, silent_seconds=round(silent, 3), timeout=timeout)
                 worker.kill_reason = f"it answered no ping for {timeout:g}s: hung (worker_liveness_timeout)"
                 worker.proc.kill()  # SIGKILL ends a stopped process too; EOF reports the exit
                 return
-            if worker.step_seconds > timeout:
-                self.log.error("worker.hung", pid=worker.pid, step_seconds=round(worker.step_seconds, 3), timeout=timeout)
-                worker.kill_reason = (f"one step ran {worker.step_seconds:.0f}s, longer than {timeout:g}s: "
+            if verdict == "stuck":
+                step = clock.step_seconds(worker.step_seconds, worker.last_heard)
+                self.log.error("worker.hung", pid=worker.pid, step_seconds=round(step, 3), timeout=timeout)
+                worker.kill_reason = (f"one step ran {step:.0f}s, longer than {timeout:g}s: "
                                       "hung (worker_liveness_timeout)")
                 worker.proc.kill()
                 return

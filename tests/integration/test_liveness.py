@@ -10,12 +10,15 @@ is asserted about wall-clock time: tokens, kills and the reasons given are count
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
+import time
 
 from statemachine import ServerState
 from tests.conftest import fake_daemon
 from tests.metrics_text import value
 
-LIVENESS = 0.6  # seconds; pings every LIVENESS / 4
+LIVENESS = 1.0  # seconds; pings every LIVENESS / 4
 WORKER = "tests.fixtures.slow_step_worker"
 
 
@@ -80,3 +83,22 @@ async def test_worker_that_answers_nothing_is_killed(monkeypatch):
         status, raw = await stream(client, 2)
         assert status == 200 and "[DONE]" in raw
         assert controller.supervisor.current is not worker
+
+
+async def test_a_pause_of_the_whole_host_kills_no_worker():
+    # The host pauses both processes (steal time, swap): the worker is stopped and this
+    # process's loop blocked for several liveness bounds, then both go on. The watcher wakes
+    # late with nothing heard for that long, and the worker, resumed a moment after it, has not
+    # answered yet. That is a pause of the host, not a hang: the worker stays and serves.
+    async with fake_daemon(worker_module=WORKER, worker_liveness_timeout=LIVENESS, early_crash_seconds=0) as (controller, client):
+        await ready(controller)
+        worker = controller.supervisor.current
+        await asyncio.sleep(LIVENESS / 2)  # the watcher is running, pings answered
+        os.kill(worker.pid, signal.SIGSTOP)
+        time.sleep(LIVENESS * 3)  # blocks this loop: the daemon is paused too
+        await asyncio.sleep(LIVENESS / 6)  # the daemon resumes first; the watcher wakes late and judges
+        os.kill(worker.pid, signal.SIGCONT)
+        status, raw = await stream(client, 4)
+        assert status == 200 and "[DONE]" in raw, raw
+        assert controller.supervisor.current is worker and worker.proc.returncode is None
+        assert worker.kill_reason is None
