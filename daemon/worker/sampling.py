@@ -86,8 +86,10 @@ def resolved_logit_bias(params: SamplingParams, n_vocab: int, vocab: ctypes.c_vo
 
 class SamplerChain:
     def __init__(self, params: SamplingParams, n_vocab: int, n_ctx_slot: int, vocab: ctypes.c_void_p | None = None,
-                 grammar_of: "SamplerChain | None" = None, eog: Sequence[int] = ()) -> None:
-        """grammar_of: another request's chain whose grammar has accepted
+                 grammar_of: "SamplerChain | None" = None, eog: Sequence[int] = (), prompt: Sequence[int] = ()) -> None:
+        """prompt: the prompt's tokens, whose last repeat_last_n the penalties count as they count the answer's
+        (llama-server accepts every prompt token into its sampler; placeholders of images, -1, are skipped).
+        grammar_of: another request's chain whose grammar has accepted
         nothing yet (the first choice, at the fork of n choices): its matcher
         copied rather than compiled again. eog: the model's end-of-generation
         tokens, which ignore_eos never draws (llama-server biases them to -inf), unless a grammar
@@ -127,15 +129,21 @@ class SamplerChain:
         # draw over our own candidates), and only where nothing reads the candidates the chain left.
         self._first_draw_in_c = not penalized and not (self.post_sampling and not self.greedy)
         if penalized:
+            window = penalty_window(params.repeat_last_n, n_ctx_slot)
             add(
                 llama.llama_sampler_init_penalties(
                     n_vocab,
-                    penalty_window(params.repeat_last_n, n_ctx_slot),
+                    window,
                     params.repeat_penalty,
                     params.frequency_penalty,
                     params.presence_penalty,
                 )
             )
+            # Only the penalties keep what they accept, and only the last `window` of it: accepting those
+            # tokens into the penalties alone gives the state llama-server's accept of the whole prompt does.
+            penalties = llama.llama_sampler_chain_get(chain, llama.llama_sampler_chain_n(chain) - 1)
+            for token in [t for t in prompt if t >= 0][-window:] if window > 0 else ():
+                llama.llama_sampler_accept(penalties, token)
         if params.temperature <= 0.0:
             add(llama.llama_sampler_init_greedy())
             return

@@ -83,7 +83,8 @@ class SlotAssignment:
                         f"{context_advice(self.rt.spec.ctx_size, self.rt.spec.parallel, self.rt.spec.kv_unified)}",
                         "context_length_exceeded",
                     )
-                sampler = SamplerChain(msg.params, self.n_vocab, self.n_ctx_slot, self.vocab, eog=self.eog_tokens)
+                sampler = SamplerChain(msg.params, self.n_vocab, self.n_ctx_slot, self.vocab, eog=self.eog_tokens,
+                                       prompt=tokens)
             except RequestError as exc:
                 self.emit(p.Done(msg.request_id, "error", error=str(exc), error_code=exc.code))
                 continue
@@ -187,7 +188,7 @@ class SlotAssignment:
             params = job.params if job.params.seed is None else msgspec.structs.replace(
                 job.params, seed=(job.params.seed + i) % 2**32)  # a set seed still gives n different choices
             sampler = SamplerChain(params, self.n_vocab, self.n_ctx_slot, self.vocab, grammar_of=job.sampler,
-                                   eog=self.eog_tokens)
+                                   eog=self.eog_tokens, prompt=job.prompt)
             other.job = Job(job.request_id, job.prompt, params, sampler, n_prompt_done=len(job.prompt), index=i,
                             group=group, started=job.started)
             other.job.end_tokens = job.end_tokens

@@ -8,6 +8,7 @@ tests/integration/test_compat_llama_server.py."""
 from __future__ import annotations
 
 import math
+import random
 import re
 
 import pytest
@@ -77,6 +78,39 @@ def test_post_sampling_probs_are_the_chains_distribution(daemon):
                   temperature=0)["completion_probabilities"]
     assert all(e["prob"] == 1.0 and e["top_probs"] == [{"id": e["id"], "token": e["token"], "bytes": e["bytes"],
                                                         "prob": 1.0}] for e in greedy)
+
+
+def test_penalties_count_the_prompts_last_repeat_last_n_tokens_as_llama_servers_do(daemon):
+    # llama-server accepts every prompt token into its sampler, so the penalties see the prompt's last
+    # repeat_last_n tokens before the first drawn one. At temperature 1 with no truncation, the chain's
+    # distribution is the model's own shifted by the penalties: for each token, the log of its
+    # post-sampling probability less its own log-probability is one constant less count * frequency
+    # (+ presence when it occurs), the count taken over the prompt's last window. Random prompts, windows and
+    # penalties, against the model's own log-probabilities of the same request.
+    rng = random.Random(11)
+    words = ["one", "two", "three", "red", "blue", "cat"]
+    checked = 0
+    for case in range(6):  # bounded by count
+        prompt = " ".join(rng.choice(words) for _ in range(rng.randrange(8, 40)))
+        tokens = tokens_of(daemon, prompt, add_special=True)
+        window = rng.choice([-1, 0, 1, 4, len(tokens) // 2, len(tokens) + 10])
+        frequency, presence = round(rng.uniform(0.3, 2.0), 3), round(rng.uniform(-1.0, 1.0), 3)
+        sampled = dict(prompt=prompt, n_predict=1, n_probs=20, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0,
+                       seed=case, repeat_last_n=window, cache_prompt=False)  # both read whole: the same logits
+        after = post(daemon, "/completion", post_sampling_probs=True, frequency_penalty=frequency,
+                     presence_penalty=presence, **sampled)["completion_probabilities"][0]["top_probs"]
+        before = post(daemon, "/completion", **sampled)["completion_probabilities"][0]["top_logprobs"]
+        seen = tokens[-window:] if window > 0 else tokens if window < 0 else []
+        own = {t["id"]: t["logprob"] for t in before}
+        shifts = {}
+        for t in after:
+            if t["id"] in own and t["prob"] > 0:
+                count = seen.count(t["id"])
+                shifts[t["id"]] = math.log(t["prob"]) - own[t["id"]] + count * frequency + (presence if count else 0.0)
+        assert len(shifts) >= 2, (prompt, after, before)
+        assert max(shifts.values()) - min(shifts.values()) < 1e-3, (prompt, window, frequency, presence, shifts)
+        checked += any(seen.count(i) for i in shifts) and any(not seen.count(i) for i in shifts)
+    assert checked >= 3  # cases where a penalized and an unpenalized token were compared
 
 
 def test_draft_counts_are_in_timings(daemon):

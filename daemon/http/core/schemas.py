@@ -260,7 +260,7 @@ class SamplingFields(RequestModel):
     presence_penalty: Penalty = 0.0
     frequency_penalty: Penalty = 0.0
     repeat_penalty: RepeatPenalty = 1.0
-    repeat_last_n: RepeatLastN = Field(64, description="-1: the slot's context")
+    repeat_last_n: RepeatLastN = Field(64, description="the last tokens, prompt then answer, the penalties count; -1: the slot's context")
     logit_bias: (Annotated[dict[str, float | Literal[False]], Field(max_length=MAX_LOGIT_BIAS)]
                  | Annotated[list[tuple[TokenId | Annotated[str, Field(min_length=1, max_length=MAX_BIAS_TEXT_CHARS)],
                                         float | Literal[False]]], Field(max_length=MAX_LOGIT_BIAS)]
