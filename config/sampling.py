@@ -18,7 +18,7 @@ def _some_tokens(value: int | None) -> int | None:
 NPredict = Annotated[int, Field(ge=-1, le=1_000_000), AfterValidator(_some_tokens)]
 Seed = Annotated[int, Field(ge=-1, le=2**32 - 1)]
 Temperature = Annotated[float, Field(ge=0.0, le=2.0)]
-TopK = Annotated[int, Field(ge=0, le=2**31 - 1)]
+TopK = Annotated[int, Field(ge=-1, le=2**31 - 1)]  # 0 or -1: off (llama-server's and vLLM's -1)
 TopP = Annotated[float, Field(gt=0.0, le=1.0)]
 MinP = Annotated[float, Field(ge=0.0, le=1.0)]
 RepeatPenalty = Annotated[float, Field(gt=0.0, le=10.0)]

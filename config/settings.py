@@ -14,6 +14,7 @@ import math
 import os
 import re
 import tomllib
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal
 
@@ -207,7 +208,7 @@ class Settings(BaseSettings):
                           "OpenAI routes, -1 on /completion")
     seed: Seed = Field(-1, description="sampling seed of a request that names none; -1: random")
     temperature: Temperature = Field(0.8, description="temperature of a request that names none; 0: greedy")
-    top_k: TopK = Field(40, description="top_k of a request that names none; 0: off")
+    top_k: TopK = Field(40, description="top_k of a request that names none; 0 or -1: off")
     top_p: TopP = Field(0.95, description="top_p of a request that names none; 1: off")
     min_p: MinP = Field(0.05, description="min_p of a request that names none; 0: off")
     repeat_penalty: RepeatPenalty = Field(1.0, description="repeat_penalty of a request that names none")
@@ -525,9 +526,11 @@ def default_prompt_cache_ram() -> int:
     return min(8 * 2**30, ram // 20)
 
 
-def _where(key: str, cli: dict[str, Any], toml_file: Path | None, toml_data: dict[str, Any]) -> str:
-    if key in cli:
-        return f"command line --{key.replace('_', '-')}"
+def _where(key: str, cli: dict[str, Any], toml_file: Path | None, toml_data: dict[str, Any],
+           origins: Mapping[str, str]) -> str:
+    if key in cli:  # the llama-server spelling or LLAMA_ARG_* variable that set it, when one did
+        origin = origins.get(key, f"--{key.replace('_', '-')}")
+        return f"command line {origin}" if origin.startswith("-") else origin
     env_name = ENV_PREFIX + key.upper()
     if env_name in os.environ:
         return f"environment {env_name}"
@@ -536,9 +539,12 @@ def _where(key: str, cli: dict[str, Any], toml_file: Path | None, toml_data: dic
     return "default"
 
 
-def load_settings(config_file: str | Path | None = None, cli: dict[str, Any] | None = None) -> Settings:
-    """Build the effective settings; raise ConfigError naming the key and its source."""
+def load_settings(config_file: str | Path | None = None, cli: dict[str, Any] | None = None,
+                  origins: Mapping[str, str] | None = None) -> Settings:
+    """Build the effective settings; raise ConfigError naming the key and its source. origins: for keys of
+    `cli` that came from llama-server's spellings, the option or variable that set each (its error names it)."""
     cli = {k: v for k, v in (cli or {}).items() if v is not None}
+    origins = origins or {}
     found = find_config_file(config_file)  # --config, DORMOUSE_CONFIG, or a default path (config/sources.py)
     toml_file = found.path
     toml_data: dict[str, Any] = {}
@@ -562,10 +568,10 @@ def load_settings(config_file: str | Path | None = None, cli: dict[str, Any] | N
                 problems.append(err["msg"].removeprefix("Value error, "))
                 continue
             where = ".".join(str(part) for part in err["loc"])  # models.chat.ctx_size
-            problems.append(f"{where}: {err['msg']} (from {_where(key, cli, toml_file, toml_data)})")
+            problems.append(f"{where}: {err['msg']} (from {_where(key, cli, toml_file, toml_data, origins)})")
         raise ConfigError("invalid configuration:\n  " + "\n  ".join(problems)) from None
     settings = Settings.model_construct(**dict(layered_settings))
-    _check_top_level_model(settings, lambda key: _where(key, cli, toml_file, toml_data))
+    _check_top_level_model(settings, lambda key: _where(key, cli, toml_file, toml_data, origins))
     return settings
 
 

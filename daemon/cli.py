@@ -147,7 +147,9 @@ def _main(argv: list[str] | None) -> int:
         sys.stdout.flush()  # a closed pipe raises here, inside main's guard, not at exit
         return code
     config_file = args.pop("config", None)
+    origins: dict[str, str] = {}  # the llama-server option or LLAMA_ARG_* variable behind a setting, for its errors
     if translation is not None:
+        origins = {key: origin for key, origin in translation.origins.items() if args.get(key) is None}
         args = {**translation.serve_settings(), **args}
         from config.vertex_ai import VertexAIError, vertex_settings
 
@@ -159,8 +161,9 @@ def _main(argv: list[str] | None) -> int:
         for note in notes:
             print(f"dormouse: {note}", file=sys.stderr)
         args = {**args, **vertex}  # the platform's port wins over the command line's, as in llama-server
+        origins = {key: origin for key, origin in origins.items() if key not in vertex}
     try:
-        settings = load_settings(config_file, args)
+        settings = load_settings(config_file, args, origins)
     except ConfigError as exc:
         print(f"dormouse: {exc}", file=sys.stderr)
         return 2
@@ -189,7 +192,7 @@ def _main(argv: list[str] | None) -> int:
 
     configure_logging(settings.log_format, settings.log_level)  # the footprints' warnings go to the log
     add_footprints(plans, footprint_store(settings, get_logger()))
-    return run(settings, plans, reload_settings=lambda: load_settings(config_file, args))
+    return run(settings, plans, reload_settings=lambda: load_settings(config_file, args, origins))
 
 
 def _check_config(settings, plans, config_file: str | None = None) -> int:

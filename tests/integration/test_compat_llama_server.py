@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import os
 import re
 from contextlib import asynccontextmanager
 
@@ -520,7 +521,7 @@ def test_sampling_defaults_as_settings_flags_and_their_bounds(monkeypatch, capsy
     assert load_settings().top_k == 5
     for cli, needle in (({"n_predict": 0}, "n_predict"), ({"n_predict": -2}, "n_predict"),
                         ({"seed": 2**32}, "seed"), ({"seed": -2}, "seed"), ({"temperature": 3}, "temperature"),
-                        ({"temperature": -0.1}, "temperature"), ({"top_k": -1}, "top_k"), ({"top_k": 2**31}, "top_k"),
+                        ({"temperature": -0.1}, "temperature"), ({"top_k": -2}, "top_k"), ({"top_k": 2**31}, "top_k"),
                         ({"top_k": "many"}, "top_k"), ({"top_p": 0}, "top_p"), ({"top_p": 1.5}, "top_p"),
                         ({"min_p": -0.1}, "min_p"), ({"min_p": float("nan")}, "min_p"),
                         ({"repeat_penalty": 0}, "repeat_penalty"), ({"repeat_penalty": 11}, "repeat_penalty"),
@@ -528,6 +529,40 @@ def test_sampling_defaults_as_settings_flags_and_their_bounds(monkeypatch, capsy
                         ({"frequency_penalty": -3}, "frequency_penalty"), ({"frequency_penalty": [1]}, "frequency_penalty")):
         with pytest.raises(ConfigError, match=needle):
             load_settings(cli=cli)
+
+
+def test_a_bad_value_names_the_llama_server_option_or_variable_it_came_from(monkeypatch, capsys):
+    from daemon.cli import main
+
+    for name in [n for n in os.environ if n.startswith(("DORMOUSE_", "LLAMA_ARG_"))]:
+        monkeypatch.delenv(name)
+    assert main(["check-config", "--top-k", "-2"]) == 2
+    assert "top_k: Input should be greater than or equal to -1 (from command line --top-k)" in capsys.readouterr().err
+    assert main(["check-config", "-n", "0"]) == 2
+    assert "0 predicts nothing: give at least 1, or -1 for until the end (from command line -n)" in capsys.readouterr().err
+    monkeypatch.setenv("LLAMA_ARG_TOP_K", "-2")
+    assert main(["check-config"]) == 2
+    assert "(from environment LLAMA_ARG_TOP_K)" in capsys.readouterr().err
+    monkeypatch.setenv("DORMOUSE_TOP_K", "-2")  # Dormouse's own variable: named as itself
+    assert main(["check-config", "--top-k", "7"]) == 0  # the command line wins over both
+    assert json.loads(capsys.readouterr().out)["settings"]["top_k"] == 7
+
+
+async def test_top_k_minus_one_is_off_as_in_llama_server(submits, capsys):
+    # llama-server and vLLM take -1 for "no top-k": accepted on the command line and in a request,
+    # and the worker's chain adds top-k only above 0.
+    from daemon.cli import main
+
+    assert main(["check-config", "--top-k", "-1"]) == 0
+    assert json.loads(capsys.readouterr().out)["settings"]["top_k"] == -1
+    async with compat(top_k=-1) as (controller, client):
+        await client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1})
+        assert submits()[-1]["top_k"] == -1
+        await client.post("/completion", json={"prompt": "hi", "n_predict": 1, "top_k": 5})
+        assert submits()[-1]["top_k"] == 5
+        await client.post("/api/generate", json={"model": controller.model_id, "prompt": "hi", "stream": False,
+                                                 "options": {"top_k": -1, "num_predict": 1}})
+        assert submits()[-1]["top_k"] == -1
 
 
 # -- the context overflow, in llama-server's shape on its own route --------------------

@@ -375,7 +375,7 @@ HOSTILE = [
     ("/api/chat", {"options": {"num_predict": -3}}, "options.num_predict"),
     ("/api/chat", {"options": {"num_predict": 0}}, "options.num_predict"),
     ("/api/chat", {"options": {"temperature": -1}}, "options.temperature"),
-    ("/api/chat", {"options": {"top_k": -1}}, "options.top_k"),
+    ("/api/chat", {"options": {"top_k": -2}}, "options.top_k"),
     ("/api/chat", {"options": {"seed": -2}}, "options.seed"),
     ("/api/chat", {"options": {"repeat_last_n": -2}}, "options.repeat_last_n"),
     ("/api/chat", {"options": {"num_ctx": -1}}, "options.num_ctx"),

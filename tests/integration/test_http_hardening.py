@@ -194,7 +194,7 @@ async def test_deeply_nested_json_is_400():
     [
         ({"top_k": 2**31}, "top_k", "2147483647"),
         ({"top_k": 2**64}, "top_k", "2147483647"),
-        ({"top_k": -1}, "top_k", "0"),
+        ({"top_k": -2}, "top_k", "-1"),
         ({"repeat_last_n": 2**31}, "repeat_last_n", "2147483647"),
         ({"repeat_last_n": -2}, "repeat_last_n", "-1"),
         ({"logit_bias": {str(i): 1 for i in range(1025)}}, "logit_bias", "at most 1024"),

@@ -140,6 +140,6 @@ def test_a_models_recommended_sampling_in_its_section_is_that_models_default(tmp
     settings = Settings(**t.serve_settings())
     assert settings.top_k == 30 and settings.models["plain"].top_k is None  # the top level's applies to it
     with pytest.raises(ValueError, match="top_k"):
-        Settings(**preset(tmp_path, "[qwen]\nmodel = /m/q.gguf\ntop-k = -1\n").serve_settings())
+        Settings(**preset(tmp_path, "[qwen]\nmodel = /m/q.gguf\ntop-k = -2\n").serve_settings())
     with pytest.raises(ValueError, match="n_predict"):
         Settings(**preset(tmp_path, "[qwen]\nmodel = /m/q.gguf\nn-predict = 0\n").serve_settings())
