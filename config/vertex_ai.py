@@ -24,6 +24,10 @@ def _route(environ: Mapping[str, str], name: str, default: str | None) -> str | 
     return value if value.startswith("/") else "/" + value  # as llama-server: a leading slash is added
 
 
+# the setting -> the AIP_* variable it comes from (for an error that names it)
+VERTEX_VARIABLES = {"port": "AIP_HTTP_PORT", "predict_route": "AIP_PREDICT_ROUTE", "predict_health_route": "AIP_HEALTH_ROUTE"}
+
+
 def vertex_settings(environ: Mapping[str, str]) -> tuple[dict[str, Any], list[str]]:
     """The settings AIP_MODE=PREDICTION implies (none without it), and a note for each."""
     if environ.get("AIP_MODE", "") != "PREDICTION":

@@ -151,7 +151,7 @@ def _main(argv: list[str] | None) -> int:
     if translation is not None:
         origins = {key: origin for key, origin in translation.origins.items() if args.get(key) is None}
         args = {**translation.serve_settings(), **args}
-        from config.vertex_ai import VertexAIError, vertex_settings
+        from config.vertex_ai import VERTEX_VARIABLES, VertexAIError, vertex_settings
 
         try:
             vertex, notes = vertex_settings(os.environ)
@@ -161,7 +161,7 @@ def _main(argv: list[str] | None) -> int:
         for note in notes:
             print(f"dormouse: {note}", file=sys.stderr)
         args = {**args, **vertex}  # the platform's port wins over the command line's, as in llama-server
-        origins = {key: origin for key, origin in origins.items() if key not in vertex}
+        origins.update({key: f"environment {VERTEX_VARIABLES[key]}" for key in vertex})
     try:
         settings = load_settings(config_file, args, origins)
     except ConfigError as exc:

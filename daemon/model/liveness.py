@@ -8,10 +8,13 @@ both must forgive the time this process itself was not running: when the host pa
 late, the worker was most likely paused too, and its pong may still be on its way.
 Without that, a healthy worker is killed by a pause that was nobody's fault.
 
-A wake later than one ping interval past its due time is a stall of this process.
-Silence is counted from the end of the last stall at the earliest; a step's age loses
-the stalls that happened while it ran. A worker that really is hung is still caught:
-one on-time interval after a stall, the clock runs again."""
+A wake more than one ping interval past its due time is a stall of this process, from
+the due time to the wake. Silence and a step's age count only the time outside stalls.
+Every wake adds at least one on-time interval, so a worker that really is hung is
+still caught, within the timeout's count of wakes, even by a loop that is always late.
+What cannot be known is where in the last interval before a wake a pause began: that
+part counts as running time, so a step within one interval of the timeout when the
+host paused may still be judged stuck."""
 
 from __future__ import annotations
 
@@ -23,27 +26,27 @@ from dataclasses import dataclass, field
 class LivenessClock:
     timeout: float  # worker_liveness_timeout, seconds
     interval: float  # how often the watcher pings
-    resumed_at: float = float("-inf")  # when this process last came back from a stall
-    stalls: deque[tuple[float, float]] = field(default_factory=lambda: deque(maxlen=64))  # (resumed_at, seconds)
+    # (start, end) of this process's stalls, oldest first. Each one follows at least one on-time interval, so
+    # the oldest dropped is older than 64 intervals: longer than any silence or step that is not already hung.
+    stalls: deque[tuple[float, float]] = field(default_factory=lambda: deque(maxlen=64))
 
     def woke(self, now: float, due: float) -> None:
         """The watcher meant to wake at `due` and woke at `now`."""
-        late = now - due
-        if late > self.interval:
-            self.resumed_at = now
-            self.stalls.append((now, late))
+        if now - due > self.interval:
+            self.stalls.append((due, now))
 
-    def stalled_since(self, since: float) -> float:
-        """Seconds this process spent stalled after `since` (a stall is counted whole when it ended after it)."""
-        return sum(seconds for resumed, seconds in self.stalls if resumed > since)
+    def running_seconds(self, since: float, now: float) -> float:
+        """Seconds from `since` to `now` outside this process's stalls."""
+        stalled = sum(max(0.0, min(end, now) - max(start, since)) for start, end in self.stalls)
+        return max(0.0, now - since - stalled)
 
     def silent_seconds(self, now: float, last_heard: float) -> float:
-        return now - max(last_heard, self.resumed_at)
+        return self.running_seconds(last_heard, now)
 
     def step_seconds(self, reported: float, last_heard: float) -> float:
         """A step's age as its last pong (heard at `last_heard`) reported it, less this process's stalls
         since the step began."""
-        return reported - self.stalled_since(last_heard - reported) if reported > 0 else 0.0
+        return self.running_seconds(last_heard - reported, last_heard) if reported > 0 else 0.0
 
     def verdict(self, now: float, last_heard: float, reported_step: float) -> str | None:
         """None while the worker is alive; "silent" or "stuck" when it is hung."""

@@ -38,6 +38,7 @@ import ctypes
 import math
 import secrets
 from collections.abc import Sequence
+from itertools import islice
 
 from daemon.protocol import SamplingParams
 from daemon.worker.errors import RequestError
@@ -142,8 +143,8 @@ class SamplerChain:
             # Only the penalties keep what they accept, and only the last `window` of it: accepting those
             # tokens into the penalties alone gives the state llama-server's accept of the whole prompt does.
             penalties = llama.llama_sampler_chain_get(chain, llama.llama_sampler_chain_n(chain) - 1)
-            for token in [t for t in prompt if t >= 0][-window:] if window > 0 else ():
-                llama.llama_sampler_accept(penalties, token)
+            for token in reversed(list(islice((t for t in reversed(prompt) if t >= 0), max(window, 0)))):
+                llama.llama_sampler_accept(penalties, token)  # ~1 us each: the window, not the prompt, is walked
         if params.temperature <= 0.0:
             add(llama.llama_sampler_init_greedy())
             return

@@ -169,6 +169,18 @@ def test_vertex_ais_variables():
             vertex_settings({"AIP_MODE": "PREDICTION", "AIP_HTTP_PORT": port})
 
 
+def test_a_bad_vertex_route_names_its_variable(monkeypatch, capsys):
+    from config.vertex_ai import VERTEX_VARIABLES
+    from daemon.cli import main
+
+    monkeypatch.setenv("AIP_MODE", "PREDICTION")
+    monkeypatch.setenv("AIP_PREDICT_ROUTE", "/a b")
+    assert main(["check-config"]) == 2
+    assert "predict_route: String should match pattern" in (err := capsys.readouterr().err)
+    assert "(from environment AIP_PREDICT_ROUTE)" in err
+    assert set(VERTEX_VARIABLES) >= set(vertex_settings({"AIP_MODE": "PREDICTION", "AIP_HEALTH_ROUTE": "/h"})[0])
+
+
 async def test_the_answers_of_one_prediction_are_bounded_together(monkeypatch):
     """128 instances of large answers (per-token embeddings) must not hold gigabytes: past the bound an
     instance's answer is an error in its place, and what came before it is written whole."""
