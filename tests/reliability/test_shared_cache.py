@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from tests.fixtures.tiny_model import WORDS, write_tiny_model
-from tests.reliability.test_haproxy import DEFAULT, Replica, figures
+from tests.reliability.test_haproxy import DEFAULT, Replica, figures, stop_all
 
 from tests.reliability.test_haproxy import pytestmark  # noqa: E402,F401 (reliability; skipped without haproxy)
 
@@ -49,10 +49,7 @@ def two_replicas(tmp_path):
             r.wait_state("ready", "sleeping", timeout=120)
         yield replicas, shared
     finally:
-        for r in replicas:
-            if r.stop(timeout=30) is None:
-                r.kill()
-            r.http.close()
+        stop_all(replicas)
 
 
 def shared_metrics(r: Replica) -> dict:
