@@ -565,6 +565,20 @@ async def test_top_k_minus_one_is_off_as_in_llama_server(submits, capsys):
         assert submits()[-1]["top_k"] == -1
 
 
+async def test_openapi_shows_the_sampling_defaults_this_server_was_given():
+    async with compat() as (controller, client):
+        plain = (await (await client.get("/openapi.json")).json())["components"]["schemas"]
+    assert plain["CompletionRequest"]["properties"]["temperature"]["default"] == 0.8
+    async with compat(temperature=0.3, top_k=-1, seed=5) as (controller, client):
+        schemas = (await (await client.get("/openapi.json")).json())["components"]["schemas"]
+    for name in ("CompletionRequest", "ChatCompletionRequest", "NativeCompletionRequest", "ResponsesRequest"):
+        fields = schemas[name]["properties"]
+        assert (fields["temperature"]["default"], fields["top_k"]["default"], fields["seed"]["default"]) == (0.3, -1, 5)
+        assert "this server's" in fields["temperature"]["description"]
+        assert fields["top_p"]["default"] == 0.95 and "this server's" not in fields["top_p"].get("description", "")
+    assert schemas["MessagesRequest"]["properties"]["temperature"]["default"] == 0.3
+
+
 # -- the context overflow, in llama-server's shape on its own route --------------------
 
 

@@ -10,13 +10,15 @@ Errors are in the dialect's own shape (Error, AnthropicError, OllamaError)."""
 
 from __future__ import annotations
 
+import copy
 from functools import cache
 from typing import Any
 
 from pydantic.json_schema import models_json_schema
 
 from daemon import __version__
-from daemon.http.core.schemas import CompletionRequest
+from config import Settings
+from daemon.http.core.schemas import SERVER_DEFAULTED, CompletionRequest
 from daemon.http.dialects.llama_server.schemas import (ApplyTemplateRequest, DetokenizeRequest, EmbeddingsRequest,
                                                        NativeCompletionRequest, TokenizeRequest)
 
@@ -129,6 +131,24 @@ def _request_models() -> list[type]:
             ApplyTemplateRequest, NativeCompletionRequest, ResponsesRequest, MessagesRequest, CountTokensRequest,
             OllamaChatRequest, OllamaGenerateRequest, OllamaEmbedRequest, OllamaLegacyEmbeddingsRequest, ShowRequest,
             InfillRequest, RerankRequest, SlotFileRequest, PullRequest]
+
+
+def with_server_defaults(document: dict[str, Any], settings: Settings) -> dict[str, Any]:
+    """The document with the sampling defaults this daemon was configured with (`--temp`, `top_k = 20`, ...)
+    in place of the built-in ones: a request that leaves such a field out gets the configured value. A
+    [models.ID] table may set its own for its model, which one document cannot show: said in the field."""
+    configured = {name: getattr(settings, name) for name in SERVER_DEFAULTED
+                  if getattr(settings, name) != Settings.model_fields[name].default}
+    if not configured:
+        return document
+    patched = copy.deepcopy(document)
+    note = "the default is this server's; a model's own table may set another"
+    for schema in patched["components"]["schemas"].values():
+        for name, field in schema.get("properties", {}).items():
+            if name in configured and "default" in field:
+                field["default"] = configured[name]
+                field["description"] = f"{field['description']}; {note}" if field.get("description") else note
+    return patched
 
 
 @cache

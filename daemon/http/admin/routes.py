@@ -250,9 +250,9 @@ async def unload_model(request: web.Request) -> web.Response:
 
 
 async def openapi(request: web.Request) -> web.Response:
-    from daemon.http.admin.openapi import openapi_document
+    from daemon.http.admin.openapi import openapi_document, with_server_defaults
 
-    return web.json_response(openapi_document())
+    return web.json_response(with_server_defaults(openapi_document(), request.app[SETTINGS]))
 
 
 def add_routes(app: web.Application) -> None:
