@@ -19,7 +19,7 @@ NPredict = Annotated[int, Field(ge=-1, le=1_000_000), AfterValidator(_some_token
 Seed = Annotated[int, Field(ge=-1, le=2**32 - 1)]
 Temperature = Annotated[float, Field(ge=0.0, le=2.0)]
 TopK = Annotated[int, Field(ge=-1, le=2**31 - 1)]  # 0 or -1: off (llama-server's and vLLM's -1)
-TopP = Annotated[float, Field(gt=0.0, le=1.0)]
+TopP = Annotated[float, Field(ge=0.0, le=1.0)]  # 1: off; 0: the most probable token only, as in llama.cpp
 MinP = Annotated[float, Field(ge=0.0, le=1.0)]
 RepeatPenalty = Annotated[float, Field(gt=0.0, le=10.0)]
 RepeatLastN = Annotated[int, Field(ge=-1, le=2**31 - 1)]

@@ -209,7 +209,7 @@ class Settings(BaseSettings):
     seed: Seed = Field(-1, description="sampling seed of a request that names none; -1: random")
     temperature: Temperature = Field(0.8, description="temperature of a request that names none; 0: greedy")
     top_k: TopK = Field(40, description="top_k of a request that names none; 0 or -1: off")
-    top_p: TopP = Field(0.95, description="top_p of a request that names none; 1: off")
+    top_p: TopP = Field(0.95, description="top_p of a request that names none; 1: off; 0: the most probable token only")
     min_p: MinP = Field(0.05, description="min_p of a request that names none; 0: off")
     repeat_penalty: RepeatPenalty = Field(1.0, description="repeat_penalty of a request that names none")
     repeat_last_n: RepeatLastN = Field(64, description="repeat_last_n of a request that names none; -1: the slot's "

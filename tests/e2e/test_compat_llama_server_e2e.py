@@ -113,6 +113,17 @@ def test_penalties_count_the_prompts_last_repeat_last_n_tokens_as_llama_servers_
     assert checked >= 3  # cases where a penalized and an unpenalized token were compared
 
 
+def test_top_p_zero_keeps_the_most_probable_token_only(daemon):
+    # OpenAI's range for top_p is 0..1 and llama.cpp's top-p keeps at least one token: at 0, the most
+    # probable one, so a sampled answer at any temperature and seed is the greedy one.
+    for prompt, seed in ((PROMPT, 1), ("Once upon a time", 2)):
+        greedy = post(daemon, "/completion", prompt=prompt, n_predict=6, temperature=0, cache_prompt=False,
+                      return_tokens=True)["tokens"]
+        sampled = post(daemon, "/completion", prompt=prompt, n_predict=6, temperature=1.5, top_k=0, top_p=0,
+                       seed=seed, cache_prompt=False, return_tokens=True)["tokens"]
+        assert sampled == greedy
+
+
 def test_draft_counts_are_in_timings(daemon):
     for path, body in (("/completion", {"prompt": PROMPT, "n_predict": 16}),
                        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Count to ten."}],

@@ -522,7 +522,7 @@ def test_sampling_defaults_as_settings_flags_and_their_bounds(monkeypatch, capsy
     for cli, needle in (({"n_predict": 0}, "n_predict"), ({"n_predict": -2}, "n_predict"),
                         ({"seed": 2**32}, "seed"), ({"seed": -2}, "seed"), ({"temperature": 3}, "temperature"),
                         ({"temperature": -0.1}, "temperature"), ({"top_k": -2}, "top_k"), ({"top_k": 2**31}, "top_k"),
-                        ({"top_k": "many"}, "top_k"), ({"top_p": 0}, "top_p"), ({"top_p": 1.5}, "top_p"),
+                        ({"top_k": "many"}, "top_k"), ({"top_p": -0.1}, "top_p"), ({"top_p": 1.5}, "top_p"),
                         ({"min_p": -0.1}, "min_p"), ({"min_p": float("nan")}, "min_p"),
                         ({"repeat_penalty": 0}, "repeat_penalty"), ({"repeat_penalty": 11}, "repeat_penalty"),
                         ({"repeat_last_n": -2}, "repeat_last_n"), ({"presence_penalty": 2.5}, "presence_penalty"),
@@ -548,9 +548,10 @@ def test_a_bad_value_names_the_llama_server_option_or_variable_it_came_from(monk
     assert json.loads(capsys.readouterr().out)["settings"]["top_k"] == 7
 
 
-async def test_top_k_minus_one_is_off_as_in_llama_server(submits, capsys):
+async def test_top_k_minus_one_is_off_and_top_p_zero_keeps_one_token_as_in_llama_server(submits, capsys):
     # llama-server and vLLM take -1 for "no top-k": accepted on the command line and in a request,
-    # and the worker's chain adds top-k only above 0.
+    # and the worker's chain adds top-k only above 0. top_p 0 (OpenAI's range is 0..1; some clients
+    # send it) keeps the most probable token, as llama.cpp's top-p does (tests/e2e: it is greedy).
     from daemon.cli import main
 
     assert main(["check-config", "--top-k", "-1"]) == 0
@@ -560,6 +561,11 @@ async def test_top_k_minus_one_is_off_as_in_llama_server(submits, capsys):
         assert submits()[-1]["top_k"] == -1
         await client.post("/completion", json={"prompt": "hi", "n_predict": 1, "top_k": 5})
         assert submits()[-1]["top_k"] == 5
+        for path, body in (("/v1/chat/completions", {"messages": ASK, "max_tokens": 1, "top_p": 0}),
+                           ("/v1/messages", {"model": "m", "max_tokens": 1, "messages": ASK, "top_p": 0})):
+            response = await client.post(path, json=body)
+            assert response.status == 200, await response.text()
+            assert submits()[-1]["top_p"] == 0.0
         await client.post("/api/generate", json={"model": controller.model_id, "prompt": "hi", "stream": False,
                                                  "options": {"top_k": -1, "num_predict": 1}})
         assert submits()[-1]["top_k"] == -1

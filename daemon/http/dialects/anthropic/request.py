@@ -478,7 +478,7 @@ class MessagesRequest(CountTokensRequest):
     stream: StrictBool = False
     temperature: float | None = Field(None, ge=0.0, le=1.0, strict=True, description="Anthropic's range; left out: "
                                                                                     "the server's default")
-    top_p: float | None = Field(None, gt=0.0, le=1.0, strict=True)
+    top_p: float | None = Field(None, ge=0.0, le=1.0, strict=True)  # 0..1, as Anthropic's API
     top_k: int | None = Field(None, ge=0, le=INT32_MAX, strict=True)
     metadata: Metadata | None = None
     service_tier: Literal["auto", "standard_only"] | None = None  # one tier here
