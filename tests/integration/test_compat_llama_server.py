@@ -582,7 +582,25 @@ async def test_openapi_shows_the_sampling_defaults_this_server_was_given():
         assert (fields["temperature"]["default"], fields["top_k"]["default"], fields["seed"]["default"]) == (0.3, -1, 5)
         assert "this server's" in fields["temperature"]["description"]
         assert fields["top_p"]["default"] == 0.95 and "this server's" not in fields["top_p"].get("description", "")
-    assert schemas["MessagesRequest"]["properties"]["temperature"]["default"] == 0.3
+    anthropic = schemas["MessagesRequest"]["properties"]
+    assert anthropic["temperature"]["default"] == 0.3
+    # -1 is outside Anthropic's top_k range (0 and up): said, not made a default its own schema refuses.
+    assert anthropic["top_k"]["default"] is None and "this server's default is -1" in anthropic["top_k"]["description"]
+
+
+def test_openapi_is_serialized_once_and_says_where_model_tables_set_their_own():
+    from daemon.http.admin.openapi import openapi_document, served_document
+
+    before = json.dumps(openapi_document())
+    settings = load_settings(cli={"temperature": 0.3, "models": {"a": {"path": "/m/a.gguf", "top_p": 0.5},
+                                                                 "b": {"path": "/m/b.gguf"}}})
+    body = served_document(settings)
+    assert served_document(settings) is body  # a GET costs no copy of the document
+    assert json.dumps(openapi_document()) == before  # the cached document is left as it was
+    fields = json.loads(body)["components"]["schemas"]["ChatCompletionRequest"]["properties"]
+    assert fields["top_p"]["default"] == 0.95 and "some models' own tables set another" in fields["top_p"]["description"]
+    assert fields["temperature"]["default"] == 0.3
+    assert served_document(load_settings()) == json.dumps(openapi_document()).encode()  # nothing configured
 
 
 # -- the context overflow, in llama-server's shape on its own route --------------------

@@ -11,7 +11,8 @@ Errors are in the dialect's own shape (Error, AnthropicError, OllamaError)."""
 from __future__ import annotations
 
 import copy
-from functools import cache
+import json
+from functools import cache, lru_cache
 from typing import Any
 
 from pydantic.json_schema import models_json_schema
@@ -133,22 +134,56 @@ def _request_models() -> list[type]:
             InfillRequest, RerankRequest, SlotFileRequest, PullRequest]
 
 
-def with_server_defaults(document: dict[str, Any], settings: Settings) -> dict[str, Any]:
-    """The document with the sampling defaults this daemon was configured with (`--temp`, `top_k = 20`, ...)
-    in place of the built-in ones: a request that leaves such a field out gets the configured value. A
-    [models.ID] table may set its own for its model, which one document cannot show: said in the field."""
-    configured = {name: getattr(settings, name) for name in SERVER_DEFAULTED
-                  if getattr(settings, name) != Settings.model_fields[name].default}
-    if not configured:
+def served_document(settings: Settings) -> bytes:
+    """/openapi.json's body for this daemon: the document with its sampling defaults (with_server_defaults),
+    serialized once per configuration. The endpoint needs no key, so a GET must cost no copy of the document."""
+    configured = tuple((name, getattr(settings, name)) for name in SERVER_DEFAULTED
+                       if getattr(settings, name) != Settings.model_fields[name].default)
+    per_model = frozenset(name for table in settings.models.values() for name in SERVER_DEFAULTED
+                          if getattr(table, name, None) is not None)
+    return _served(configured, per_model)
+
+
+@lru_cache(maxsize=4)
+def _served(configured: tuple[tuple[str, Any], ...], per_model: frozenset[str]) -> bytes:
+    return json.dumps(with_server_defaults(openapi_document(), dict(configured), per_model)).encode()
+
+
+def with_server_defaults(document: dict[str, Any], configured: dict[str, Any],
+                         per_model: frozenset[str] = frozenset()) -> dict[str, Any]:
+    """A copy of the document whose sampling fields show the defaults this daemon was configured with
+    (`--temp`, `top_k = 20`, ...: `configured`), which a request that leaves such a field out gets. A value
+    outside a dialect's own range (a server temperature of 1.5 beside Anthropic's 0..1) is said, not set as
+    the default, which the schema would then refuse. `per_model`: the keys some [models.ID] table sets for
+    its own model, which one document cannot show: said in the field."""
+    if not configured and not per_model:
         return document
     patched = copy.deepcopy(document)
-    note = "the default is this server's; a model's own table may set another"
     for schema in patched["components"]["schemas"].values():
         for name, field in schema.get("properties", {}).items():
-            if name in configured and "default" in field:
+            if "default" not in field or name not in configured and name not in per_model:
+                continue
+            notes = [field["description"]] if field.get("description") else []
+            if name in configured and _within(field, configured[name]):
                 field["default"] = configured[name]
-                field["description"] = f"{field['description']}; {note}" if field.get("description") else note
+                notes.append("the default is this server's")
+            elif name in configured:
+                notes.append(f"this server's default is {configured[name]!r}, outside this field's range: a "
+                             "request that leaves the field out gets it")
+            notes.append("some models' own tables set another" if name in per_model
+                         else "a model's own table may set another")
+            field["description"] = "; ".join(notes)
     return patched
+
+
+def _within(field: dict[str, Any], value: Any) -> bool:
+    """Whether a JSON schema field (or one branch of its anyOf, null aside) accepts the number `value`."""
+    branches = [b for b in field.get("anyOf", [field]) if b.get("type") != "null"]
+    return not branches or any(
+        value >= b.get("minimum", value) and value <= b.get("maximum", value)
+        and ("exclusiveMinimum" not in b or value > b["exclusiveMinimum"])
+        and ("exclusiveMaximum" not in b or value < b["exclusiveMaximum"])
+        for b in branches)
 
 
 @cache

@@ -250,9 +250,9 @@ async def unload_model(request: web.Request) -> web.Response:
 
 
 async def openapi(request: web.Request) -> web.Response:
-    from daemon.http.admin.openapi import openapi_document, with_server_defaults
+    from daemon.http.admin.openapi import served_document
 
-    return web.json_response(with_server_defaults(openapi_document(), request.app[SETTINGS]))
+    return web.Response(body=served_document(request.app[SETTINGS]), content_type="application/json")
 
 
 def add_routes(app: web.Application) -> None:
