@@ -48,10 +48,12 @@ class LivenessClock:
         since the step began."""
         return self.running_seconds(last_heard - reported, last_heard) if reported > 0 else 0.0
 
-    def verdict(self, now: float, last_heard: float, reported_step: float) -> str | None:
-        """None while the worker is alive; "silent" or "stuck" when it is hung."""
-        if self.silent_seconds(now, last_heard) > self.timeout:
-            return "silent"
-        if self.step_seconds(reported_step, last_heard) > self.timeout:
-            return "stuck"
+    def verdict(self, now: float, last_heard: float, reported_step: float) -> tuple[str, float] | None:
+        """None while the worker is alive; ("silent", its silence) or ("stuck", its step's age) when it is hung."""
+        silent = self.silent_seconds(now, last_heard)
+        if silent > self.timeout:
+            return "silent", silent
+        step = self.step_seconds(reported_step, last_heard)
+        if step > self.timeout:
+            return "stuck", step
         return None

@@ -385,17 +385,15 @@ class Supervisor:
                 return  # a teardown has its own bound
             now = time.monotonic()
             clock.woke(now, due)
-            verdict = clock.verdict(now, worker.last_heard, worker.step_seconds)
-            if verdict == "silent":
-                silent = clock.silent_seconds(now, worker.last_heard)
-                self.log.error("worker.hung", pid=worker.pid, silent_seconds=round(silent, 3), timeout=timeout)
+            hung, seconds = clock.verdict(now, worker.last_heard, worker.step_seconds) or ("", 0.0)
+            if hung == "silent":
+                self.log.error("worker.hung", pid=worker.pid, silent_seconds=round(seconds, 3), timeout=timeout)
                 worker.kill_reason = f"it answered no ping for {timeout:g}s: hung (worker_liveness_timeout)"
                 worker.proc.kill()  # SIGKILL ends a stopped process too; EOF reports the exit
                 return
-            if verdict == "stuck":
-                step = clock.step_seconds(worker.step_seconds, worker.last_heard)
-                self.log.error("worker.hung", pid=worker.pid, step_seconds=round(step, 3), timeout=timeout)
-                worker.kill_reason = (f"one step ran {step:.0f}s, longer than {timeout:g}s: "
+            if hung == "stuck":
+                self.log.error("worker.hung", pid=worker.pid, step_seconds=round(seconds, 3), timeout=timeout)
+                worker.kill_reason = (f"one step ran {seconds:.0f}s, longer than {timeout:g}s: "
                                       "hung (worker_liveness_timeout)")
                 worker.proc.kill()
                 return

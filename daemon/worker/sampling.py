@@ -143,7 +143,7 @@ class SamplerChain:
             # Only the penalties keep what they accept, and only the last `window` of it: accepting those
             # tokens into the penalties alone gives the state llama-server's accept of the whole prompt does.
             penalties = llama.llama_sampler_chain_get(chain, llama.llama_sampler_chain_n(chain) - 1)
-            for token in reversed(list(islice((t for t in reversed(prompt) if t >= 0), max(window, 0)))):
+            for token in reversed(list(islice((t for t in reversed(prompt) if t >= 0), window))):
                 llama.llama_sampler_accept(penalties, token)  # ~1 us each: the window, not the prompt, is walked
         if params.temperature <= 0.0:
             add(llama.llama_sampler_init_greedy())
