@@ -34,7 +34,7 @@ from daemon.http.errors import ApiError
 from daemon.http.keys import FLEET, model_for
 from daemon.http.dialects.ollama.answer import created_at
 from daemon.http.core.job import parse_body
-from daemon.http.core.schemas import RequestModel
+from daemon.http.core.schemas import SERVER_DEFAULTED, RequestModel
 from daemon.model.gguf_header import GgufError, SkippedArray, SkippedString, read_header
 from statemachine import ServerState
 
@@ -239,9 +239,7 @@ async def show(request: web.Request) -> web.Response:
     if facts.n_params:
         info["general.parameter_count"] = facts.n_params
     settings = model.controller.settings  # what a request that names nothing gets (the server-wide defaults)
-    defaults = {key: getattr(settings, key)
-                for key in ("temperature", "top_k", "top_p", "min_p", "repeat_penalty", "repeat_last_n",
-                            "presence_penalty", "frequency_penalty")}
+    defaults = {key: getattr(settings, key) for key in SERVER_DEFAULTED if key != "seed"}  # the sampler's, in order
     parameters = "\n".join(f"{key} {value}" for key, value in {"num_ctx": slot_context(model), **defaults}.items())
     modelfile = (f"# Dormouse serves {model.id} from its configuration; Modelfiles are not read.\n"
                  f"FROM {model.controller.model_path}\n"
