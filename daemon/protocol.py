@@ -165,6 +165,8 @@ class Submit(Message):
     request_id: str
     params: SamplingParams
     prompt: str | list[int] | None = None  # completions
+    # completions: images for the media markers of the prompt text, in order (llama-server's multimodal_data)
+    images: list[bytes] = []
     messages: list[ChatMessage] | None = None  # chat completions
     tools: list[Tool] = []  # chat: given to the chat template (or described in a system turn)
     n: int = 1  # choices: the prompt is decoded once and its KV copied to n - 1 more slots

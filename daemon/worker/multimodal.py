@@ -31,12 +31,19 @@ class MediaPrompts:
             return self.lib.mtmd_helper_get_n_tokens(chunks)
 
     def evaluate(self, lctx: ctypes.c_void_p, text: str, images: list[bytes], seq_id: int, n_batch: int,
-                 n_ctx_slot: int, make_room: Callable[[int], object] | None = None) -> tuple[int, int]:
+                 n_ctx_slot: int, make_room: Callable[[int], object] | None = None) -> tuple[int, list[int]]:
         """Decode text+images into sequence `seq_id` from position 0, logits for the
         last position; make_room(positions) first, when the slots share a KV pool (it frees cells for them).
-        Returns (positions used, prompt tokens)."""
+        Returns (positions used, the prompt's tokens: the text's ids, -1 for each image token)."""
         lib = self.lib
         with self._chunks(text, images) as chunks:
+            n_chunks = lib.mtmd_input_chunks_size(chunks)
+            last = lib.mtmd_input_chunks_get(chunks, n_chunks - 1) if n_chunks else None
+            if last is None or lib.mtmd_input_chunk_get_type(last) != lib.MTMD_INPUT_CHUNK_TYPE_TEXT \
+                    or lib.mtmd_input_chunk_get_n_tokens(last) == 0:
+                # An image's last position has no logits to draw the next token from (llama.cpp would abort).
+                raise MediaError(f"the prompt ends with an image: put text after the last image (its {self.marker} "
+                                 "marker); the answer is read on from a text token")
             n_pos = lib.mtmd_helper_get_n_pos(chunks)
             if n_pos >= n_ctx_slot:
                 raise MediaError(f"prompt with images needs {n_pos} positions; a slot holds {n_ctx_slot}: "
@@ -52,12 +59,30 @@ class MediaPrompts:
                                  "ctx_size", "context_full")
             if rc != 0:
                 raise MediaError(f"encoding the prompt with its images failed ({rc})")
-            return new_n_past.value, lib.mtmd_helper_get_n_tokens(chunks)
+            return new_n_past.value, self._tokens(chunks)
+
+    def _tokens(self, chunks: ctypes.c_void_p) -> list[int]:
+        """The prompt's tokens in order: each text chunk's ids, and -1 for each token of an image (what the
+        penalties skip: llama-server's LLAMA_TOKEN_NULL)."""
+        lib = self.lib
+        tokens: list[int] = []
+        n = ctypes.c_size_t(0)
+        for i in range(lib.mtmd_input_chunks_size(chunks)):
+            chunk = lib.mtmd_input_chunks_get(chunks, i)
+            if lib.mtmd_input_chunk_get_type(chunk) == lib.MTMD_INPUT_CHUNK_TYPE_TEXT:
+                ids = lib.mtmd_input_chunk_get_tokens_text(chunk, ctypes.byref(n))
+                tokens.extend(ids[: n.value])
+            else:
+                tokens.extend([-1] * lib.mtmd_input_chunk_get_n_tokens(chunk))
+        return tokens
 
     @contextmanager
     def _chunks(self, text: str, images: list[bytes]) -> Iterator[ctypes.c_void_p]:
         """text+images tokenized by mtmd (its input chunks, freed after)."""
         lib = self.lib
+        if text.count(self.marker) != len(images):
+            raise MediaError(f"the prompt has {text.count(self.marker)} {self.marker} markers and {len(images)} "
+                             "images: each image goes at a marker, in order")
         bitmaps = []
         chunks = lib.mtmd_input_chunks_init()
         try:

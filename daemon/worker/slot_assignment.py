@@ -73,6 +73,14 @@ class SlotAssignment:
                         self._assign_media(min(idle, key=least_recently_used), msg, text, images)
                         continue
                     tokens = self.prompt_tokens_within(text, self.n_ctx_slot)
+                elif msg.images:  # a completion's text with media markers (llama-server's multimodal_data)
+                    if self.media is None:
+                        raise RequestError("the prompt has images (multimodal_data) but no multimodal projector is "
+                                           "loaded (start with --mmproj)")
+                    if msg.n > 1 or not isinstance(msg.prompt, str):
+                        raise RequestError("images go with one text prompt of one choice (n = 1)")
+                    self._assign_media(min(idle, key=least_recently_used), msg, msg.prompt, msg.images)
+                    continue
                 else:
                     tokens = self.prompt_tokens(msg)
                 if not tokens:
@@ -211,18 +219,20 @@ class SlotAssignment:
         if self.speculator is not None:
             self.speculator.forget(slot)
         try:
-            n_pos, n_tokens = self.media.evaluate(self.ctx, text, images, slot.id, self.n_batch, self.n_ctx_slot,
-                                                  make_room=(lambda n_pos: self._room_for_prompt(slot, n_pos))
-                                                  if self.rt.spec.kv_unified else None)
-            sampler = SamplerChain(msg.params, self.n_vocab, self.n_ctx_slot, self.vocab, eog=self.eog_tokens)
+            n_pos, tokens = self.media.evaluate(self.ctx, text, images, slot.id, self.n_batch, self.n_ctx_slot,
+                                                make_room=(lambda n_pos: self._room_for_prompt(slot, n_pos))
+                                                if self.rt.spec.kv_unified else None)
+            sampler = SamplerChain(msg.params, self.n_vocab, self.n_ctx_slot, self.vocab, eog=self.eog_tokens,
+                                   prompt=tokens)
         except (MediaError, RequestError) as exc:
             llama.llama_memory_seq_rm(self.memory, slot.id, -1, -1)
             self.emit(p.Done(msg.request_id, "error", error=str(exc), error_code=exc.code))
             return
         slot.cache.extend([-1] * n_pos)
-        slot.job = Job(msg.request_id, [-1] * n_tokens, msg.params, sampler, n_prompt_done=n_tokens)
+        slot.job = Job(msg.request_id, tokens, msg.params, sampler, n_prompt_done=len(tokens))
         slot.last_used = time.monotonic()
-        slot.job.end_tokens = self.end_of_turn
+        if msg.messages is not None:
+            slot.job.end_tokens = self.end_of_turn
         slot.move(SlotState.STARTED)
         slot.move(SlotState.PROCESSING_PROMPT)
         self._slots_changed = True

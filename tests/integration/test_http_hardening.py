@@ -20,6 +20,7 @@ from daemon.http.errors import ApiError
 from daemon.logs import configure_logging
 from statemachine import ServerState
 from tests.conftest import fake_daemon
+from tests.metrics_text import value
 from tests.unit.test_images import bmp, gif, jpeg, png
 
 COMPLETION = {"prompt": "hi", "max_tokens": 2}
@@ -338,6 +339,62 @@ async def test_image_limits_follow_the_settings():
     async with daemon(max_images_per_request=0) as (controller, client):
         response = await client.post("/v1/chat/completions", json=chat_with(png(1, 1)))
         assert (await error_of(response, 400))["code"] == "too_many_images"
+
+
+def media_prompt(*images: bytes | str, text: str = "what is it? <__media__>") -> dict:
+    data = [i if isinstance(i, str) else base64.b64encode(i).decode() for i in images]
+    return {"prompt": {"prompt_string": text, "multimodal_data": data}, "n_predict": 1}
+
+
+async def test_completions_multimodal_data_is_checked_before_the_worker_sees_it(tmp_path):
+    # llama-server's /completion object prompt with images: each image is counted, decoded from base64 and
+    # its header read here, by its number, as a chat message's images are; the worker sees only good ones.
+    projector = tmp_path / "mmproj.gguf"
+    projector.write_bytes(b"GGUF")  # a path the settings accept; the fake worker reads no file
+    async with daemon(mmproj=str(projector), max_images_per_request=3) as (controller, client):
+        response = await client.post("/completion", json=media_prompt(png(4, 4), jpeg(8, 8)))
+        assert response.status == 200, await response.text()
+        data_url = "data:image/png;base64," + base64.b64encode(png(2, 2)).decode()
+        assert (await client.post("/completion", json=media_prompt(data_url))).status == 200
+        for body, code, needle in (
+            (media_prompt(*[png(1, 1)] * 4), "too_many_images", "4 images in one prompt; at most 3"),
+            (media_prompt(png(1, 1), png(5000, 5000, pixels=False)), "image_too_large", "image 2 is 5000x5000"),
+            (media_prompt("not base64!"), "invalid_image", "multimodal_data[0] is not valid base64"),
+            (media_prompt(b"GIF"), "invalid_image", "image 1 cannot be decoded"),
+            (media_prompt(b""), "invalid_image", "not a supported image format"),
+        ):
+            error = await error_of(await client.post("/completion", json=body), 400)
+            assert error["code"] == code and needle in error["message"] and error["param"] == "prompt", error
+        # Several prompts: every prompt's images are checked before the first is answered.
+        async def generated() -> float:
+            return value(await (await client.get("/metrics")).text(), "dormouse_generated_tokens_total")
+
+        before = await generated()
+        body = {"prompt": ["a text first", media_prompt(png(1, 1))["prompt"], media_prompt(b"xx")["prompt"]],
+                "n_predict": 1}
+        error = await error_of(await client.post("/completion", json=body), 400)
+        assert error["message"].startswith("prompt[2]: image 1 cannot be decoded"), error
+        assert await generated() == before  # prompt[0] was not answered first
+        body["prompt"][2] = media_prompt(gif(3, 3))["prompt"]
+        answers = await (await client.post("/completion", json=body)).json()
+        assert [a["index"] for a in answers] == [0, 1, 2]
+        assert await generated() == before + 3
+        # Hostile shapes: refused by the schema, by field, before any decode.
+        for multimodal_data, needle in ((["AAAA"] * 65, "at most 64"), ([], "non-empty list"), ("iVBOR", "list"),
+                                        ([3], "base64 string"), (None, "list"), ({"a": "b"}, "list")):
+            body = {"prompt": {"prompt_string": "x <__media__>", "multimodal_data": multimodal_data}}
+            error = await error_of(await client.post("/completion", json=body), 400)
+            assert needle in error["message"], (multimodal_data, error)
+        error = await error_of(await client.post("/completion", json={"prompt": {"prompt_string": 7,
+                                                                                  "multimodal_data": ["AAAA"]}}), 400)
+        assert "prompt_string" in error["message"]
+
+
+async def test_completions_multimodal_data_without_a_projector_names_the_option():
+    async with daemon() as (controller, client):
+        error = await error_of(await client.post("/completion", json=media_prompt(png(1, 1))), 400)
+        assert "no multimodal projector" in error["message"] and "--mmproj" in error["message"]
+        assert error["param"] == "prompt"
 
 
 # -- D. honest answers -----------------------------------------------------------

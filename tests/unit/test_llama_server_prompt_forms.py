@@ -8,7 +8,7 @@ import pytest
 from pydantic import ValidationError
 
 from daemon.http.dialects.llama_server.schemas import (MAX_COMPLETION_PROMPTS, MAX_INPUT_PARTS, EmbeddingsRequest,
-                                                       NativeCompletionRequest, embedding_prompts)
+                                                       MediaPrompt, NativeCompletionRequest, embedding_prompts)
 from daemon.http.core.schemas import MAX_EMBEDDING_INPUTS
 
 
@@ -89,8 +89,18 @@ def test_a_completion_prompt_is_one_prompt_in_any_of_its_forms(value, prompt):
     assert NativeCompletionRequest.model_validate({"prompt": value}).prompt == prompt
 
 
+def test_an_object_prompt_with_images_stays_an_object_alone_and_in_a_list():
+    media = {"prompt_string": "see <__media__>", "multimodal_data": ["AAAA"]}
+    assert NativeCompletionRequest.model_validate({"prompt": media}).prompt == MediaPrompt(**media)
+    several = NativeCompletionRequest.model_validate({"prompt": ["text", media]}).prompts()
+    assert several == ["text", MediaPrompt(**media)]
+
+
 @pytest.mark.parametrize("value, message", [
-    ({"prompt_string": "p <__media__>", "multimodal_data": "iVBOR"}, "text only"),
+    ({"prompt_string": "p <__media__>", "multimodal_data": "iVBOR"}, "non-empty list of images"),
+    ({"prompt_string": "p <__media__>", "multimodal_data": [b"x"]}, "each a base64 string"),
+    ({"prompt_string": None, "multimodal_data": ["AAAA"]}, "prompt_string must be a string"),
+    ({"prompt_string": "p", "multimodal_data": ["AAAA"] * 65}, "at most 64 images"),
     ({"prompt_string": 3}, "prompt_string"),
     ({}, "prompt_string"),
     ([], "at least 1"),
@@ -121,7 +131,7 @@ def test_several_completion_prompts_read_as_llama_server_reads_them(value, promp
     ([[]], "prompt\\[0\\]: a prompt is"),
     ([["a", "b"]], "prompt\\[0\\]: a prompt is"),  # a list of texts inside a list: no third level
     ([{}], "prompt_string"),
-    (["a", {"prompt_string": "p", "multimodal_data": ["AAAA"]}], "text only"),
+    (["a", {"prompt_string": "p", "multimodal_data": []}], "non-empty list of images"),
     ([[1, [2]]], "valid"),
     ([[1, "x"]] * (MAX_INPUT_PARTS + 1), "at most 16"),
     ([[1] + ["x"] * 20] * 13, "texts between token ids in one request"),  # 260 texts over the request

@@ -46,30 +46,38 @@ class ImagePart(RequestModel):
         url = self.image_url.url
         if not url.startswith("data:") or ";base64," not in url:
             raise ImageRefused("image_url must be a data: URL with base64 content (no remote fetching)")
-        try:
-            return base64.b64decode(url.split(";base64,", 1)[1], validate=True)
-        except (binascii.Error, ValueError):
-            raise ImageRefused("image_url data is not valid base64") from None
+        return base64_image(url.split(";base64,", 1)[1], "image_url data")
+
+
+def base64_image(text: str, what: str) -> bytes:
+    try:
+        return base64.b64decode(text, validate=True)
+    except (binascii.Error, ValueError):
+        raise ImageRefused(f"{what} is not valid base64") from None
+
+
+def checked_image(data: bytes, number: int, max_pixels: int) -> bytes:
+    """An image's header read (no pixel decoded): one too large (declared size), or not PNG/JPEG/GIF/BMP,
+    is refused by its number in the request."""
+    try:
+        info = read_header(data)
+    except ImageHeaderError as exc:
+        raise ImageRefused(f"image {number} cannot be decoded: {exc}") from None
+    if info.pixels > max_pixels:
+        raise ImageRefused(f"image {number} is {info.width}x{info.height} = {info.pixels} pixels; at most "
+                           f"{max_pixels} are accepted (max_image_pixels)", "image_too_large")
+    return data
 
 
 def image_checker(max_pixels: int) -> Callable[[ImagePart], bytes]:
-    """Decodes each image of one request in order and reads its header: one
-    too large (declared size), or not PNG/JPEG/GIF/BMP, is refused by its
-    number in the request before any pixel is decoded."""
+    """Decodes each image of one request in order and checks it (checked_image), by its number in the
+    request, before any pixel is decoded."""
     count = 0
 
     def check(part: ImagePart) -> bytes:
         nonlocal count
         count += 1
-        data = part.image_bytes()
-        try:
-            info = read_header(data)
-        except ImageHeaderError as exc:
-            raise ImageRefused(f"image {count} cannot be decoded: {exc}") from None
-        if info.pixels > max_pixels:
-            raise ImageRefused(f"image {count} is {info.width}x{info.height} = {info.pixels} pixels; at most "
-                               f"{max_pixels} are accepted (max_image_pixels)", "image_too_large")
-        return data
+        return checked_image(part.image_bytes(), count, max_pixels)
 
     return check
 

@@ -17,12 +17,12 @@ from daemon.http.errors import ApiError
 from daemon.http.keys import model_for
 from daemon.http.core.job import generation_model, parse_body, structured_grammar
 from daemon.http.core.run import run_query
-from daemon.http.core.conversation import ImageRefused
+from daemon.http.core.conversation import ImageRefused, base64_image, checked_image
 from daemon.http.dialects.llama_server import embeddings
 from daemon.http.dialects.llama_server.answer import native_answer, native_whole
 from daemon.http.dialects.llama_server.mixed_prompt import is_mixed, mixed_tokens
-from daemon.http.dialects.llama_server.schemas import (ApplyTemplateRequest, DetokenizeRequest, NativeCompletionRequest,
-                                                       TokenizeRequest)
+from daemon.http.dialects.llama_server.schemas import (ApplyTemplateRequest, DetokenizeRequest, MediaPrompt,
+                                                       NativeCompletionRequest, TokenizeRequest)
 
 
 def _piece(data: bytes) -> str | list[int]:
@@ -88,6 +88,26 @@ def _n_predict(body: NativeCompletionRequest, settings) -> int:
     return -1 if settings.n_predict is None else settings.n_predict
 
 
+def media_fields(prompt: MediaPrompt, settings) -> dict:
+    """The job's prompt and images of an object prompt with multimodal_data (llama-server's): refused
+    here, before the model wakes, when this model has no projector or an image is too many, too large or
+    not an image; the worker's mtmd pairs each image with a media marker of the text, in order."""
+    if not settings.mmproj:
+        raise ApiError(400, "multimodal_data: this model has no multimodal projector (start it with --mmproj)",
+                       "invalid_request", param="prompt")
+    count = len(prompt.multimodal_data)
+    try:
+        if count > settings.max_images_per_request:
+            raise ImageRefused(f"{count} images in one prompt; at most {settings.max_images_per_request} are "
+                               "accepted (max_images_per_request)", "too_many_images")
+        images = [checked_image(base64_image(data.split(";base64,", 1)[1] if data.startswith("data:") else data,
+                                             f"multimodal_data[{i}]"), i + 1, settings.max_image_pixels)
+                  for i, data in enumerate(prompt.multimodal_data)]
+    except ImageRefused as exc:
+        raise ApiError(400, str(exc), exc.code, param="prompt") from None
+    return {"prompt": prompt.prompt_string, "images": images}
+
+
 async def completion(request: web.Request) -> web.StreamResponse:
     """llama-server's /completion: `content` and `stop` instead of choices, and timings. Several prompts
     (a list of them) are answered whole, as a list in their order, each with its index."""
@@ -113,16 +133,25 @@ async def completion(request: web.Request) -> web.StreamResponse:
     if not several:
         if is_mixed(body.prompt):  # token ids with texts between them: the texts tokenized in place
             body.prompt = await mixed_tokens(request, model, body.prompt)
-        job = model.controller.new_job("completion", params, prompt=body.prompt, cache_prompt=body.cache_prompt,
-                                       slot=body.id_slot, progress=body.wants_progress)
+        job = model.controller.new_job("completion", params, **(media_fields(body.prompt, settings)
+                                       if isinstance(body.prompt, MediaPrompt) else {"prompt": body.prompt}),
+                                       cache_prompt=body.cache_prompt, slot=body.id_slot, progress=body.wants_progress)
         return await native_answer(request, model, job, body, params, n_predict, post_sampling)
+    media = {}  # every prompt's images checked before the first is answered
+    for index, prompt in enumerate(body.prompts()):
+        if isinstance(prompt, MediaPrompt):
+            try:
+                media[index] = media_fields(prompt, settings)
+            except ApiError as exc:
+                exc.message = f"prompt[{index}]: {exc.message}"
+                raise
     # One job after another: a request never holds more slots than a single prompt would.
     answers = []
     for index, prompt in enumerate(body.prompts()):
         one = body.model_copy(update={"prompt": await mixed_tokens(request, model, prompt) if is_mixed(prompt)
                                       else prompt})
-        job = model.controller.new_job("completion", params, prompt=one.prompt, cache_prompt=body.cache_prompt,
-                                       slot=body.id_slot)
+        job = model.controller.new_job("completion", params, **media.get(index, {"prompt": one.prompt}),
+                                       cache_prompt=body.cache_prompt, slot=body.id_slot)
         try:
             answer = await native_whole(request, model, job, one, params, n_predict, post_sampling)
         except ApiError as exc:

@@ -36,15 +36,28 @@ class ApplyTemplateRequest(Conversation):
 
 
 MAX_COMPLETION_PROMPTS = 16  # prompts of one /completion: each a job, answered one after another
+# Images of one object prompt, refused before any is decoded; the model's max_images_per_request applies after.
+MAX_MULTIMODAL_DATA = 64
+
+
+class MediaPrompt(RequestModel):
+    """llama-server's object prompt with images: the text holds the media marker (<__media__>) where each
+    image goes, in order, and multimodal_data the images (base64, or data: URLs), read by the projector."""
+
+    prompt_string: str
+    multimodal_data: Annotated[list[str], Field(min_length=1, max_length=MAX_MULTIMODAL_DATA)]
+
 
 
 class NativeCompletionRequest(SamplingFields):
     """llama-server's /completion: its names for the same sampling fields."""
 
-    prompt: (str | Annotated[list[TokenId | str], Field(min_length=1)]
-             | Annotated[tuple[str | Annotated[list[TokenId | str], Field(min_length=1)], ...],
+    prompt: (str | MediaPrompt | Annotated[list[TokenId | str], Field(min_length=1)]
+             | Annotated[tuple[str | MediaPrompt | Annotated[list[TokenId | str], Field(min_length=1)], ...],
                          Field(min_length=2, max_length=MAX_COMPLETION_PROMPTS)]) = Field(
-        description="a text, token ids (texts may sit between them: one prompt), or {\"prompt_string\": text}; "
+        description="a text, token ids (texts may sit between them: one prompt), {\"prompt_string\": text}, or "
+                    "{\"prompt_string\": text with a <__media__> marker per image, \"multimodal_data\": [base64 "
+                    "images]} (a model with a projector, mmproj); "
                     f"or a list of up to {MAX_COMPLETION_PROMPTS} of these, answered whole as a list")
     n_predict: int = Field(-1, ge=-1, le=1_000_000, description="-1: until the end of generation or of the slot's "
                                                                 "context; left out: the server's n_predict")
@@ -95,12 +108,11 @@ def _several(value: Any) -> bool:
 
 
 def completion_prompt(value: Any) -> Any:
-    """One of /completion's prompts as llama-server reads it: an object gives its prompt_string; images
-    are refused (no projector reads /completion's multimodal_data here)."""
+    """One of /completion's prompts as llama-server reads it: an object gives its prompt_string, or stays
+    an object (a MediaPrompt) when it has multimodal_data."""
     if isinstance(value, dict):
         if "multimodal_data" in value:
-            raise ValueError("multimodal_data: /completion reads text only here; send images to "
-                             "/v1/chat/completions on a model with a projector (mmproj)")
+            return _media_prompt(value)
         text = value.get("prompt_string")
         if not isinstance(text, str):
             raise ValueError('an object prompt is {"prompt_string": text}')
@@ -108,6 +120,17 @@ def completion_prompt(value: Any) -> Any:
     if isinstance(value, list) and sum(isinstance(v, str) for v in value) > MAX_INPUT_PARTS:
         raise ValueError(f"at most {MAX_INPUT_PARTS} texts between token ids")
     return value
+
+
+def _media_prompt(value: dict) -> MediaPrompt:
+    """Checked here, each field named, rather than by the prompt's union (whose error would name a member)."""
+    text, images = value.get("prompt_string"), value["multimodal_data"]
+    if not isinstance(text, str):
+        raise ValueError("prompt_string must be a string (the text, with a <__media__> marker per image)")
+    if not isinstance(images, list) or not images or not all(isinstance(image, str) for image in images):
+        raise ValueError("multimodal_data is a non-empty list of images, each a base64 string")
+    _at_most(images, MAX_MULTIMODAL_DATA, "images in multimodal_data")
+    return MediaPrompt(prompt_string=text, multimodal_data=images)
 
 
 MAX_INPUT_PARTS = 256  # text parts of one {"content": [...]} input, pieces of one mixed prompt
