@@ -158,7 +158,7 @@ class Settings(BaseSettings):
         None, description="Bearer key for /health and /metrics; none: both open. Probes and scrapers must then send it")
     max_image_pixels: int = Field(16_777_216, ge=1, le=2**30,
                                   description="largest image (width x height, read from its header) in a chat request")
-    max_images_per_request: int = Field(8, ge=0, le=1024, description="most images in one chat request; 0 refuses images")
+    max_images_per_request: int = Field(8, ge=0, le=1024, description="most images in one request (a chat's messages, or /completion's prompts together); 0 refuses images")
     raw_grammar: bool = Field(
         True, description="accept llama-server's raw `grammar` (GBNF) field, read by llguidance's GBNF reader under the "
                           "same per-token limits as json_schema (a grammar past them ends its own request with an "

@@ -17,8 +17,9 @@ A serving worker is pinged, and answers from its channel thread at once, even
 mid-step, with the age of its current step (daemon/worker/channel.py). It is
 killed when it answers nothing for `liveness_timeout` seconds (stopped,
 deadlocked) or when one step has run longer than that (hung in a kernel): a
-step is at most one prompt chunk, so a worker that is slow but progressing
-(steps keep ending) is never killed, however long its work. Its death is an
+step is at most one prompt chunk (or one image of a prompt with images), so a
+worker that is slow but progressing (steps keep ending) is never killed,
+however long its work. Its death is an
 ordinary unexpected exit whose reason says it hung.
 
 Workers run in a session of their own (start_new_session): the signals a

@@ -55,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         runtime.load()
         imports.join()
-        engine = Engine(runtime, channel.send)
+        engine = Engine(runtime, channel.send, progressed=channel.step_progressed)
         if spec.warmup:
             warm_up(runtime, engine)
     except Exception as exc:  # noqa: BLE001 - any failure to load is reported, then we exit
@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
             break
         try:  # a rouse: the contexts again, on the weights this worker kept
             runtime.create_contexts()
-            engine = Engine(runtime, channel.send)
+            engine = Engine(runtime, channel.send, progressed=channel.step_progressed)
         except Exception as exc:  # noqa: BLE001 - as a failed load: reported, then we exit
             channel.send(p.Error(str(exc), during="rouse"))
             runtime.teardown()
@@ -195,7 +195,8 @@ def serve(channel: Channel, engine) -> str:
     Each round (the messages waiting, then one engine step) is a step for the liveness
     check: the channel thread answers pings with its age (channel.py), and the daemon
     kills a worker whose step outlives worker_liveness_timeout. A step is bounded by
-    construction: one prompt chunk or one draft catch-up chunk (engine.step)."""
+    construction: one prompt chunk or one draft catch-up chunk (engine.step); a prompt with images,
+    read at once, ends a step after each image and each batch of its text (Engine's `progressed`)."""
     while True:
         message = channel.receive(block=not engine.busy)
         channel.step_begins()

@@ -57,6 +57,12 @@ class Channel:
         self._step_started = 0.0
         self.steps += 1
 
+    def step_progressed(self) -> None:
+        """A long piece of work (a prompt with images, read image by image) finished one bounded part: the
+        step's age starts again, as it would at the next round of the loop."""
+        self.step_ends()
+        self.step_begins()
+
     def step_seconds(self) -> float:
         """How long the current step has run; 0 between steps."""
         started = self._step_started

@@ -49,9 +49,13 @@ class DecodeCounts:
 
 
 class Engine(PromptText, SlotAssignment, EmbeddingQueue):
-    def __init__(self, runtime: Runtime, emit: Callable[[p.Message], None]) -> None:
+    def __init__(self, runtime: Runtime, emit: Callable[[p.Message], None],
+                 progressed: Callable[[], object] = lambda: None) -> None:
+        """progressed: called where one long step has made progress (each image, or batch of text, of a
+        prompt with images): the liveness step ends there (channel.Channel.step_progressed)."""
         self.rt = runtime
         self.emit = emit
+        self.progressed = progressed
         self.ctx = runtime.ctx
         self.vocab = runtime.vocab
         tokenizers.attach(self.vocab, runtime.spec.model)  # structured output's, kept while the file is the same

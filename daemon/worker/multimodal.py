@@ -31,12 +31,15 @@ class MediaPrompts:
             return self.lib.mtmd_helper_get_n_tokens(chunks)
 
     def evaluate(self, lctx: ctypes.c_void_p, text: str, images: list[bytes], seq_id: int, n_batch: int,
-                 n_ctx_slot: int, make_room: Callable[[int], object] | None = None) -> tuple[int, list[int]]:
+                 n_ctx_slot: int, make_room: Callable[[int], object] | None = None,
+                 progressed: Callable[[], object] = lambda: None) -> tuple[int, list[int]]:
         """Decode text+images into sequence `seq_id` from position 0, logits for the
         last position; make_room(positions) first, when the slots share a KV pool (it frees cells for them).
+        progressed() after each piece: one image, or one batch of text (the worker's liveness step ends
+        there, so a prompt of many images or much text is never judged one hung step).
         Returns (positions used, the prompt's tokens: the text's ids, -1 for each image token)."""
         lib = self.lib
-        with self._chunks(text, images) as chunks:
+        with self._chunks(text, images, progressed) as chunks:
             n_chunks = lib.mtmd_input_chunks_size(chunks)
             last = lib.mtmd_input_chunks_get(chunks, n_chunks - 1) if n_chunks else None
             if last is None or lib.mtmd_input_chunk_get_type(last) != lib.MTMD_INPUT_CHUNK_TYPE_TEXT \
@@ -51,15 +54,45 @@ class MediaPrompts:
                                  "context_length_exceeded")
             if make_room is not None:
                 make_room(n_pos)
-            new_n_past = llama.llama_pos(0)
-            rc = lib.mtmd_helper_eval_chunks(self.ctx, lctx, chunks, 0, seq_id, n_batch, True, ctypes.byref(new_n_past))
-            if rc == 1 and make_room is not None:  # no cells: busy slots hold the shared pool (1 is also a failed encode)
-                raise MediaError("context size has been exceeded: the slots share one KV pool (kv_unified) and "
-                                 "busy slots hold the room this prompt with its images needs. Retry, or raise "
-                                 "ctx_size", "context_full")
-            if rc != 0:
-                raise MediaError(f"encoding the prompt with its images failed ({rc})")
-            return new_n_past.value, self._tokens(chunks)
+            n_past = 0
+            batch = llama.llama_batch_init(n_batch, 0, 1)
+            try:
+                for i in range(n_chunks):
+                    chunk = lib.mtmd_input_chunks_get(chunks, i)
+                    if lib.mtmd_input_chunk_get_type(chunk) == lib.MTMD_INPUT_CHUNK_TYPE_TEXT:
+                        n_past = self._decode_text(lctx, batch, chunk, n_past, seq_id, n_batch, i == n_chunks - 1,
+                                                   make_room is not None, progressed)
+                        continue
+                    new_n_past = llama.llama_pos(0)  # an image: encoded by the projector, then decoded (mtmd's own)
+                    rc = lib.mtmd_helper_eval_chunk_single(self.ctx, lctx, chunk, n_past, seq_id, n_batch, False,
+                                                           ctypes.byref(new_n_past))
+                    _check(rc, make_room is not None)
+                    n_past = new_n_past.value
+                    progressed()
+            finally:
+                llama.llama_batch_free(batch)
+            return n_past, self._tokens(chunks)
+
+    def _decode_text(self, lctx: ctypes.c_void_p, batch, chunk: ctypes.c_void_p, n_past: int, seq_id: int,
+                     n_batch: int, logits_last: bool, shared_pool: bool, progressed: Callable[[], object]) -> int:
+        """A text chunk in batches of n_batch, as mtmd_helper_eval_chunk_single reads one, progressed() after
+        each. Returns the next position."""
+        n = ctypes.c_size_t(0)
+        ids = self.lib.mtmd_input_chunk_get_tokens_text(chunk, ctypes.byref(n))
+        total = n.value
+        for start in range(0, total, n_batch):
+            count = min(n_batch, total - start)
+            batch.n_tokens = count
+            for j in range(count):
+                batch.token[j] = ids[start + j]
+                batch.pos[j] = n_past + j
+                batch.n_seq_id[j] = 1
+                batch.seq_id[j][0] = seq_id
+                batch.logits[j] = logits_last and start + j == total - 1
+            _check(llama.llama_decode(lctx, batch), shared_pool)
+            n_past += count
+            progressed()
+        return n_past
 
     def _tokens(self, chunks: ctypes.c_void_p) -> list[int]:
         """The prompt's tokens in order: each text chunk's ids, and -1 for each token of an image (what the
@@ -77,8 +110,10 @@ class MediaPrompts:
         return tokens
 
     @contextmanager
-    def _chunks(self, text: str, images: list[bytes]) -> Iterator[ctypes.c_void_p]:
-        """text+images tokenized by mtmd (its input chunks, freed after)."""
+    def _chunks(self, text: str, images: list[bytes],
+                progressed: Callable[[], object] = lambda: None) -> Iterator[ctypes.c_void_p]:
+        """text+images tokenized by mtmd (its input chunks, freed after); progressed() after each image's
+        decode (stb_image's, of up to max_image_pixels)."""
         lib = self.lib
         if text.count(self.marker) != len(images):
             raise MediaError(f"the prompt has {text.count(self.marker)} {self.marker} markers and {len(images)} "
@@ -92,6 +127,7 @@ class MediaPrompts:
                 if not bitmap:
                     raise MediaError(f"image {i + 1} cannot be decoded (PNG, JPEG, BMP, GIF are supported)")
                 bitmaps.append(bitmap)
+                progressed()
             prompt = lib.mtmd_input_text()
             encoded = text.encode("utf-8")
             prompt.text = encoded
@@ -107,3 +143,12 @@ class MediaPrompts:
             lib.mtmd_input_chunks_free(chunks)
             for bitmap in bitmaps:
                 lib.mtmd_bitmap_free(bitmap)
+
+
+def _check(rc: int, shared_pool: bool) -> None:
+    if rc == 1 and shared_pool:  # no cells: busy slots hold the shared pool (1 is also a failed encode)
+        raise MediaError("context size has been exceeded: the slots share one KV pool (kv_unified) and "
+                         "busy slots hold the room this prompt with its images needs. Retry, or raise "
+                         "ctx_size", "context_full")
+    if rc != 0:
+        raise MediaError(f"encoding the prompt with its images failed ({rc})")

@@ -218,10 +218,11 @@ class SlotAssignment:
         slot.scope = msg.cache_scope
         if self.speculator is not None:
             self.speculator.forget(slot)
+        started = time.perf_counter()  # the encode and decode are the prompt's read, in its timings
         try:
             n_pos, tokens = self.media.evaluate(self.ctx, text, images, slot.id, self.n_batch, self.n_ctx_slot,
                                                 make_room=(lambda n_pos: self._room_for_prompt(slot, n_pos))
-                                                if self.rt.spec.kv_unified else None)
+                                                if self.rt.spec.kv_unified else None, progressed=self.progressed)
             sampler = SamplerChain(msg.params, self.n_vocab, self.n_ctx_slot, self.vocab, eog=self.eog_tokens,
                                    prompt=tokens)
         except (MediaError, RequestError) as exc:
@@ -229,14 +230,16 @@ class SlotAssignment:
             self.emit(p.Done(msg.request_id, "error", error=str(exc), error_code=exc.code))
             return
         slot.cache.extend([-1] * n_pos)
-        slot.job = Job(msg.request_id, tokens, msg.params, sampler, n_prompt_done=len(tokens))
+        slot.job = Job(msg.request_id, tokens, msg.params, sampler, n_prompt_done=len(tokens), progress=msg.progress,
+                       started=started)
         slot.last_used = time.monotonic()
         if msg.messages is not None:
             slot.job.end_tokens = self.end_of_turn
         slot.move(SlotState.STARTED)
         slot.move(SlotState.PROCESSING_PROMPT)
         self._slots_changed = True
-        self._on_logits(slot, -1)  # mtmd left the last position's logits
+        self._progress(slot.job)  # return_progress: the prompt is read, images and all
+        self._on_logits(slot, -1)  # the last text batch left the last position's logits
 
     def keepable(self, slot: Slot, tokens: list[int], scope: str = "") -> int:
         """How many of `tokens` (a prompt of cache `scope`) the slot may keep (reuse.ReuseRule: the one rule)."""

@@ -341,8 +341,9 @@ async def test_image_limits_follow_the_settings():
         assert (await error_of(response, 400))["code"] == "too_many_images"
 
 
-def media_prompt(*images: bytes | str, text: str = "what is it? <__media__>") -> dict:
+def media_prompt(*images: bytes | str, text: str | None = None) -> dict:
     data = [i if isinstance(i, str) else base64.b64encode(i).decode() for i in images]
+    text = "what is <__media__> here? " * len(images) if text is None else text
     return {"prompt": {"prompt_string": text, "multimodal_data": data}, "n_predict": 1}
 
 
@@ -357,7 +358,12 @@ async def test_completions_multimodal_data_is_checked_before_the_worker_sees_it(
         data_url = "data:image/png;base64," + base64.b64encode(png(2, 2)).decode()
         assert (await client.post("/completion", json=media_prompt(data_url))).status == 200
         for body, code, needle in (
-            (media_prompt(*[png(1, 1)] * 4), "too_many_images", "4 images in one prompt; at most 3"),
+            (media_prompt(*[png(1, 1)] * 4), "too_many_images", "4 images in one request; at most 3"),
+            (media_prompt("data:image/png,abc"), "invalid_image", "data: URL without base64 content"),
+            (media_prompt("data:"), "invalid_image", "data: URL without base64 content"),
+            (media_prompt(png(1, 1), text="no marker"), "invalid_request", "0 <__media__> markers and 1 images"),
+            (media_prompt(png(1, 1), text="two <__media__><__media__> x"), "invalid_request", "2 <__media__> markers"),
+            (media_prompt(png(1, 1), text="ends with <__media__>"), "invalid_request", "ends with an image"),
             (media_prompt(png(1, 1), png(5000, 5000, pixels=False)), "image_too_large", "image 2 is 5000x5000"),
             (media_prompt("not base64!"), "invalid_image", "multimodal_data[0] is not valid base64"),
             (media_prompt(b"GIF"), "invalid_image", "image 1 cannot be decoded"),
@@ -375,10 +381,23 @@ async def test_completions_multimodal_data_is_checked_before_the_worker_sees_it(
         error = await error_of(await client.post("/completion", json=body), 400)
         assert error["message"].startswith("prompt[2]: image 1 cannot be decoded"), error
         assert await generated() == before  # prompt[0] was not answered first
+        body["prompt"][2] = media_prompt(gif(3, 3), text="no marker")["prompt"]
+        error = await error_of(await client.post("/completion", json=body), 400)
+        assert error["message"].startswith("prompt[2]: the prompt has 0 <__media__> markers"), error
         body["prompt"][2] = media_prompt(gif(3, 3))["prompt"]
         answers = await (await client.post("/completion", json=body)).json()
         assert [a["index"] for a in answers] == [0, 1, 2]
         assert await generated() == before + 3
+        # max_images_per_request counts the request's prompts together (3 here): 2 + 2 is one too many.
+        two = media_prompt(png(1, 1), png(1, 1))["prompt"]
+        error = await error_of(await client.post("/completion", json={"prompt": [two, two], "n_predict": 1}), 400)
+        assert error["code"] == "too_many_images" and "4 images in one request" in error["message"]
+        assert await generated() == before + 3
+        # Refused before the model wakes: a sleeping model stays asleep.
+        assert (await client.post("/sleep")).status == 200
+        error = await error_of(await client.post("/completion", json=media_prompt(png(1, 1), text="x")), 400)
+        assert "markers" in error["message"]
+        assert (await (await client.get("/health")).json())["state"] == "sleeping"
         # Hostile shapes: refused by the schema, by field, before any decode.
         for multimodal_data, needle in ((["AAAA"] * 65, "at most 64"), ([], "non-empty list"), ("iVBOR", "list"),
                                         ([3], "base64 string"), (None, "list"), ({"a": "b"}, "list")):

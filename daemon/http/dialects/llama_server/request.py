@@ -88,24 +88,53 @@ def _n_predict(body: NativeCompletionRequest, settings) -> int:
     return -1 if settings.n_predict is None else settings.n_predict
 
 
-def media_fields(prompt: MediaPrompt, settings) -> dict:
-    """The job's prompt and images of an object prompt with multimodal_data (llama-server's): refused
-    here, before the model wakes, when this model has no projector or an image is too many, too large or
-    not an image; the worker's mtmd pairs each image with a media marker of the text, in order."""
+MEDIA_MARKER = "<__media__>"  # mtmd's default marker, which the worker's projector reads
+
+
+def media_fields(prompts: list, settings) -> dict[int, dict]:
+    """The job fields (prompt, images) of each object prompt with multimodal_data (llama-server's), by its
+    index: every prompt checked here, before the model wakes and before the first is answered. Refused:
+    a model with no projector; more images in the request than max_images_per_request; an image that is
+    not base64, too large or not an image; markers that do not pair with the images (mtmd puts each image
+    at a marker, in order); a prompt that ends with an image (the answer is read on from a text token)."""
+    media = {i: prompt for i, prompt in enumerate(prompts) if isinstance(prompt, MediaPrompt)}
+    if not media:
+        return {}
+    where = (lambda i: f"prompt[{i}]: ") if len(prompts) > 1 else (lambda i: "")
     if not settings.mmproj:
         raise ApiError(400, "multimodal_data: this model has no multimodal projector (start it with --mmproj)",
                        "invalid_request", param="prompt")
-    count = len(prompt.multimodal_data)
-    try:
-        if count > settings.max_images_per_request:
-            raise ImageRefused(f"{count} images in one prompt; at most {settings.max_images_per_request} are "
-                               "accepted (max_images_per_request)", "too_many_images")
-        images = [checked_image(base64_image(data.split(";base64,", 1)[1] if data.startswith("data:") else data,
-                                             f"multimodal_data[{i}]"), i + 1, settings.max_image_pixels)
-                  for i, data in enumerate(prompt.multimodal_data)]
-    except ImageRefused as exc:
-        raise ApiError(400, str(exc), exc.code, param="prompt") from None
-    return {"prompt": prompt.prompt_string, "images": images}
+    count = sum(len(prompt.multimodal_data) for prompt in media.values())
+    if count > settings.max_images_per_request:
+        raise ApiError(400, f"{count} images in one request; at most {settings.max_images_per_request} are accepted "
+                            "(max_images_per_request)", "too_many_images", param="prompt")
+    fields = {}
+    for index, prompt in media.items():
+        text, markers = prompt.prompt_string, prompt.prompt_string.count(MEDIA_MARKER)
+        if markers != len(prompt.multimodal_data):
+            raise ApiError(400, f"{where(index)}the prompt has {markers} {MEDIA_MARKER} markers and "
+                                f"{len(prompt.multimodal_data)} images: each image goes at a marker, in order",
+                           "invalid_request", param="prompt")
+        if text.endswith(MEDIA_MARKER):
+            raise ApiError(400, f"{where(index)}the prompt ends with an image: put text after its last "
+                                f"{MEDIA_MARKER} marker; the answer is read on from a text token",
+                           "invalid_request", param="prompt")
+        try:
+            images = [checked_image(_image_data(data, f"multimodal_data[{i}]"), i + 1, settings.max_image_pixels)
+                      for i, data in enumerate(prompt.multimodal_data)]
+        except ImageRefused as exc:
+            raise ApiError(400, f"{where(index)}{exc}", exc.code, param="prompt") from None
+        fields[index] = {"prompt": text, "images": images}
+    return fields
+
+
+def _image_data(data: str, what: str) -> bytes:
+    """Base64, as llama-server takes it, or a data: URL with base64 content."""
+    if data.startswith("data:"):
+        if ";base64," not in data:
+            raise ImageRefused(f"{what} is a data: URL without base64 content (data:image/png;base64,...)")
+        data = data.split(";base64,", 1)[1]
+    return base64_image(data, what)
 
 
 async def completion(request: web.Request) -> web.StreamResponse:
@@ -133,18 +162,11 @@ async def completion(request: web.Request) -> web.StreamResponse:
     if not several:
         if is_mixed(body.prompt):  # token ids with texts between them: the texts tokenized in place
             body.prompt = await mixed_tokens(request, model, body.prompt)
-        job = model.controller.new_job("completion", params, **(media_fields(body.prompt, settings)
-                                       if isinstance(body.prompt, MediaPrompt) else {"prompt": body.prompt}),
+        job = model.controller.new_job("completion", params, **media_fields([body.prompt], settings).get(
+                                           0, {"prompt": body.prompt}),
                                        cache_prompt=body.cache_prompt, slot=body.id_slot, progress=body.wants_progress)
         return await native_answer(request, model, job, body, params, n_predict, post_sampling)
-    media = {}  # every prompt's images checked before the first is answered
-    for index, prompt in enumerate(body.prompts()):
-        if isinstance(prompt, MediaPrompt):
-            try:
-                media[index] = media_fields(prompt, settings)
-            except ApiError as exc:
-                exc.message = f"prompt[{index}]: {exc.message}"
-                raise
+    media = media_fields(body.prompts(), settings)  # every prompt's images checked before the first is answered
     # One job after another: a request never holds more slots than a single prompt would.
     answers = []
     for index, prompt in enumerate(body.prompts()):
