@@ -49,9 +49,9 @@ class MediaPrompts:
                                  "marker); the answer is read on from a text token")
             n_pos = lib.mtmd_helper_get_n_pos(chunks)
             if n_pos >= n_ctx_slot:
-                raise MediaError(f"prompt with images needs {n_pos} positions; a slot holds {n_ctx_slot}: "
-                                 f"{context_advice()}",
-                                 "context_length_exceeded")
+                # Worded as a text prompt's overflow, whose counts the HTTP layer reads (run.overflow_counts).
+                raise MediaError(f"prompt with images has {n_pos} tokens; the context of a slot holds {n_ctx_slot} "
+                                 f"(an image's positions counted): {context_advice()}", "context_length_exceeded")
             if make_room is not None:
                 make_room(n_pos)
             n_past = 0

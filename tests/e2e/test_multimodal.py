@@ -78,6 +78,15 @@ def test_completion_reads_multimodal_data_at_its_markers(start_daemon, projector
     broken = d.http.post("/completion", json={"prompt": {"prompt_string": text, "multimodal_data": ["AAAA"]}})
     assert broken.status_code == 400 and "image 1 cannot be decoded" in broken.json()["error"]["message"]
     assert d.http.post("/completion", json={"prompt": "Hi", "n_predict": 2}).status_code == 200
+    # Over the slot's context: llama-server's error with the exact count, images' positions included.
+    n_ctx = d.props()["default_generation_settings"]["n_ctx"]
+    long_text = "word " * n_ctx + "<__media__> end"
+    over = d.http.post("/completion", json={"prompt": {"prompt_string": long_text, "multimodal_data": [image]}})
+    assert over.status_code == 400, over.text
+    error = over.json()["error"]
+    assert error["type"] == "exceed_context_size_error" and error["n_ctx"] == n_ctx
+    assert error["n_prompt_tokens"] == len(tokens_of(d, "word " * n_ctx, add_special=True)) + 16 + len(
+        tokens_of(d, " end")), error
 
     # The penalties count the text around the image, as llama-server's accept of the prompt does (the
     # image's positions are skipped): at temperature 1 with no truncation the chain's distribution is the
