@@ -17,7 +17,7 @@ from functools import lru_cache
 
 from daemon.worker.errors import RequestError
 from daemon.worker.fim import head_tokens, text_tokens
-from daemon.worker.llama_lib import llama
+from daemon.worker.llama_lib import fill_sequence, llama
 
 RERANK_TEMPLATE_KEY = "tokenizer.chat_template.rerank"  # what llama_model_chat_template(model, "rerank") reads
 
@@ -50,13 +50,7 @@ def _decoded(ctx: ctypes.c_void_p, batch, limit: int, tokens: list[int], read):
                            "(its batch_size, within ctx_size / parallel)", "context_length_exceeded")
     memory = llama.llama_get_memory(ctx)
     llama.llama_memory_seq_rm(memory, 0, -1, -1)
-    for i, token in enumerate(tokens):
-        batch.token[i] = token
-        batch.pos[i] = i
-        batch.n_seq_id[i] = 1
-        batch.seq_id[i][0] = 0
-        batch.logits[i] = True
-    batch.n_tokens = len(tokens)
+    fill_sequence(batch, tokens, 0, 0, logits_from=0)
     try:
         rc = llama.llama_decode(ctx, batch)
         if rc != 0:

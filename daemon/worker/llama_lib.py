@@ -37,3 +37,15 @@ llama = importlib.import_module("llama_cpp.llama_cpp")
 def mtmd():
     """The multimodal (mtmd) bindings, imported only when a projector is used."""
     return importlib.import_module("llama_cpp.mtmd_cpp")
+
+
+def fill_sequence(batch, tokens, seq_id: int, first_pos: int, logits_from: int) -> None:
+    """`tokens` into a llama_batch as one sequence from position `first_pos`; those from index `logits_from`
+    on ask for logits (0: all, as embeddings read them; len(tokens) - 1: the last only; len(tokens): none)."""
+    for i, token in enumerate(tokens):
+        batch.token[i] = token
+        batch.pos[i] = first_pos + i
+        batch.n_seq_id[i] = 1
+        batch.seq_id[i][0] = seq_id
+        batch.logits[i] = i >= logits_from
+    batch.n_tokens = len(tokens)

@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 from daemon.worker.errors import RequestError, context_advice
-from daemon.worker.llama_lib import llama, mtmd
+from daemon.worker.llama_lib import fill_sequence, llama, mtmd
 
 
 class MediaError(RequestError):
@@ -54,60 +54,35 @@ class MediaPrompts:
                                  f"(an image's positions counted): {context_advice()}", "context_length_exceeded")
             if make_room is not None:
                 make_room(n_pos)
+            # The prompt's tokens in order: each text chunk's ids, and -1 for each token of an image (what the
+            # penalties skip: llama-server's LLAMA_TOKEN_NULL).
+            tokens: list[int] = []
             n_past = 0
             batch = llama.llama_batch_init(n_batch, 0, 1)
             try:
                 for i in range(n_chunks):
                     chunk = lib.mtmd_input_chunks_get(chunks, i)
                     if lib.mtmd_input_chunk_get_type(chunk) == lib.MTMD_INPUT_CHUNK_TYPE_TEXT:
-                        n_past = self._decode_text(lctx, batch, chunk, n_past, seq_id, n_batch, i == n_chunks - 1,
-                                                   make_room is not None, progressed)
+                        ids = self._text_ids(chunk)
+                        n_past = _decode_text(lctx, batch, ids, n_past, seq_id, n_batch, i == n_chunks - 1,
+                                              make_room is not None, progressed)
+                        tokens.extend(ids)
                         continue
                     new_n_past = llama.llama_pos(0)  # an image: encoded by the projector, then decoded (mtmd's own)
                     rc = lib.mtmd_helper_eval_chunk_single(self.ctx, lctx, chunk, n_past, seq_id, n_batch, False,
                                                            ctypes.byref(new_n_past))
                     _check(rc, make_room is not None)
                     n_past = new_n_past.value
+                    tokens.extend([-1] * lib.mtmd_input_chunk_get_n_tokens(chunk))
                     progressed()
             finally:
                 llama.llama_batch_free(batch)
-            return n_past, self._tokens(chunks)
+            return n_past, tokens
 
-    def _decode_text(self, lctx: ctypes.c_void_p, batch, chunk: ctypes.c_void_p, n_past: int, seq_id: int,
-                     n_batch: int, logits_last: bool, shared_pool: bool, progressed: Callable[[], object]) -> int:
-        """A text chunk in batches of n_batch, as mtmd_helper_eval_chunk_single reads one, progressed() after
-        each. Returns the next position."""
+    def _text_ids(self, chunk: ctypes.c_void_p) -> list[int]:
         n = ctypes.c_size_t(0)
         ids = self.lib.mtmd_input_chunk_get_tokens_text(chunk, ctypes.byref(n))
-        total = n.value
-        for start in range(0, total, n_batch):
-            count = min(n_batch, total - start)
-            batch.n_tokens = count
-            for j in range(count):
-                batch.token[j] = ids[start + j]
-                batch.pos[j] = n_past + j
-                batch.n_seq_id[j] = 1
-                batch.seq_id[j][0] = seq_id
-                batch.logits[j] = logits_last and start + j == total - 1
-            _check(llama.llama_decode(lctx, batch), shared_pool)
-            n_past += count
-            progressed()
-        return n_past
-
-    def _tokens(self, chunks: ctypes.c_void_p) -> list[int]:
-        """The prompt's tokens in order: each text chunk's ids, and -1 for each token of an image (what the
-        penalties skip: llama-server's LLAMA_TOKEN_NULL)."""
-        lib = self.lib
-        tokens: list[int] = []
-        n = ctypes.c_size_t(0)
-        for i in range(lib.mtmd_input_chunks_size(chunks)):
-            chunk = lib.mtmd_input_chunks_get(chunks, i)
-            if lib.mtmd_input_chunk_get_type(chunk) == lib.MTMD_INPUT_CHUNK_TYPE_TEXT:
-                ids = lib.mtmd_input_chunk_get_tokens_text(chunk, ctypes.byref(n))
-                tokens.extend(ids[: n.value])
-            else:
-                tokens.extend([-1] * lib.mtmd_input_chunk_get_n_tokens(chunk))
-        return tokens
+        return ids[: n.value]
 
     @contextmanager
     def _chunks(self, text: str, images: list[bytes],
@@ -143,6 +118,20 @@ class MediaPrompts:
             lib.mtmd_input_chunks_free(chunks)
             for bitmap in bitmaps:
                 lib.mtmd_bitmap_free(bitmap)
+
+
+def _decode_text(lctx: ctypes.c_void_p, batch, ids: list[int], n_past: int, seq_id: int, n_batch: int,
+                 logits_last: bool, shared_pool: bool, progressed: Callable[[], object]) -> int:
+    """A text chunk's ids in batches of n_batch, as mtmd_helper_eval_chunk_single reads them, progressed()
+    after each. Returns the next position."""
+    for start in range(0, len(ids), n_batch):
+        piece = ids[start:start + n_batch]
+        last = start + len(piece) == len(ids)
+        fill_sequence(batch, piece, seq_id, n_past, logits_from=len(piece) - 1 if logits_last and last else len(piece))
+        _check(llama.llama_decode(lctx, batch), shared_pool)
+        n_past += len(piece)
+        progressed()
+    return n_past
 
 
 def _check(rc: int, shared_pool: bool) -> None:

@@ -159,14 +159,13 @@ async def completion(request: web.Request) -> web.StreamResponse:
     # -1: until the end of generation or of the slot's context (the worker stops there).
     params = body.sampling(n_predict if n_predict >= 0 else settings.ctx_size, grammar, logprobs, defaults=settings)
     params = msgspec.structs.replace(params, post_sampling_probs=post_sampling)
+    media = media_fields(body.prompts(), settings)  # every prompt's images checked before the first is answered
     if not several:
         if is_mixed(body.prompt):  # token ids with texts between them: the texts tokenized in place
             body.prompt = await mixed_tokens(request, model, body.prompt)
-        job = model.controller.new_job("completion", params, **media_fields([body.prompt], settings).get(
-                                           0, {"prompt": body.prompt}),
+        job = model.controller.new_job("completion", params, **media.get(0, {"prompt": body.prompt}),
                                        cache_prompt=body.cache_prompt, slot=body.id_slot, progress=body.wants_progress)
         return await native_answer(request, model, job, body, params, n_predict, post_sampling)
-    media = media_fields(body.prompts(), settings)  # every prompt's images checked before the first is answered
     # One job after another: a request never holds more slots than a single prompt would.
     answers = []
     for index, prompt in enumerate(body.prompts()):
