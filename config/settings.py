@@ -19,18 +19,11 @@ from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
-from pydantic_settings import (
-    BaseSettings,
-    NoDecode,
-    PydanticBaseSettingsSource,
-    SettingsConfigDict,
-    TomlConfigSettingsSource,
-)
+from pydantic_settings import BaseSettings, NoDecode, PydanticBaseSettingsSource, SettingsConfigDict, TomlConfigSettingsSource
 
 ENV_PREFIX = "DORMOUSE_"
 MAX_NAMED_KEYS = 256
 KEY_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
-
 
 from config.models_dir import with_models_dir  # noqa: E402
 from config.network import MAX_HOSTS, admin_key_problem, host_list, is_loopback_host, normalize_host, normalize_origin  # noqa: E402,F401
@@ -41,6 +34,8 @@ from config.sampling import (MinP, NPredict, Penalty, RepeatLastN, RepeatPenalty
                              TopK, TopP)
 from config.llama_options import LlamaOptions  # noqa: E402
 from config.template_kwargs import check_template_kwargs  # noqa: E402
+from config.host_tools import (MCP_SERVERS_DOC, TOOLS_DOC, TOOLS_RUNTIME_DOC, McpServer, check_host_tools,  # noqa: E402
+                               mcp_servers_json)
 
 
 class ConfigError(ValueError):
@@ -164,6 +159,9 @@ class Settings(BaseSettings):
                           "same per-token limits as json_schema (a grammar past them ends its own request with an "
                           "error, never stalls the others); false refuses the field")
     status_page: bool = Field(True, description="the status page at / and /ui; false: 404 there (llama-server's --no-ui)")
+    tools: Annotated[list[str], NoDecode] = Field(default_factory=list, max_length=8, description=TOOLS_DOC)
+    tools_runtime: str = Field("", description=TOOLS_RUNTIME_DOC)
+    mcp_servers: dict[str, McpServer] = Field(default_factory=dict, description=MCP_SERVERS_DOC)
     metrics_endpoint: bool = Field(True, description="false: GET /metrics answers 501, as llama-server's without "
                                    "--metrics (metrics_key guards it instead, when scrapes are wanted)")
     slots_endpoint: bool = Field(True, description="false: GET /slots answers 501, as llama-server's --no-slots "
@@ -412,7 +410,10 @@ class Settings(BaseSettings):
                              "and /wake)")
         return self
 
-    @field_validator("allowed_hosts", "tags", "cors_origins", mode="before")
+    _mcp_servers_json = field_validator("mcp_servers", mode="before")(mcp_servers_json)
+    _host_tools = model_validator(mode="after")(check_host_tools)  # config/host_tools.py
+
+    @field_validator("allowed_hosts", "tags", "tools", "cors_origins", mode="before")
     @classmethod
     def _comma_list(cls, value: Any) -> Any:
         # An environment variable gives one string: names separated by commas, or a JSON list.

@@ -10,6 +10,7 @@ holds this table to it, spelling for spelling.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -52,7 +53,8 @@ ADAPTERS = "LoRA adapters and control vectors are not supported"
 DOWNLOADS = "Dormouse downloads nothing from a URL; download the file and give its path, or use -hf"
 PRESET = "a preset downloads a model from Hugging Face; give -hf REPO and the options you need"
 NO_UI = "Dormouse has no chat web UI (its status page at / is turned off by --no-ui)"
-NO_TOOLS = "built-in tools, MCP and the agent are not served"
+NO_PROXY = ("the web UI's CORS proxy (/cors-proxy) is not served: Dormouse has no chat web UI, and fetches no URL "
+            "for a client")
 REASONING = ("no server-wide setting for it: send reasoning_format or chat_template_kwargs in each request (-rea off "
              "and --chat-template-kwargs set template variables server-wide)")
 DRAFT_TUNING = "the draft model runs with the main model's threads and llama.cpp's default context parameters"
@@ -71,6 +73,52 @@ def _template_variables(values: dict[str, Any], spelling: str, out: Any) -> None
     except ValueError as exc:
         raise LlamaServerArgsError(f"{spelling}: {exc}") from None
     out.origins["chat_template_kwargs"] = spelling
+
+
+def _mcp_servers(text: str, spelling: str, out: Any) -> None:
+    """llama-server's MCP config, {"mcpServers": {NAME: {command, args, env, timeout_ms}}}; `mcp_servers`
+    checks each entry (an entry without "command" is skipped, as llama-server skips it)."""
+    def one_each(pairs: list[tuple[str, Any]]) -> dict[str, Any]:  # json.loads would keep the last of two
+        names = [name for name, _ in pairs]
+        twice = next((name for name in names if names.count(name) > 1), None)
+        if twice is not None:
+            raise LlamaServerArgsError(f'{spelling}: "{twice[:80]}" is given twice')
+        return dict(pairs)
+
+    try:
+        config = json.loads(text, object_pairs_hook=one_each)
+    except (ValueError, RecursionError) as exc:
+        if isinstance(exc, LlamaServerArgsError):
+            raise
+        raise LlamaServerArgsError(f"{spelling}: not JSON: {str(exc)[:120]}") from None
+    if not isinstance(config, dict) or not isinstance(config.get("mcpServers", {}), dict):
+        raise LlamaServerArgsError(f'{spelling}: must be {{"mcpServers": {{NAME: {{"command": ...}}}}}}')
+    servers = {name: entry for name, entry in config.get("mcpServers", {}).items()
+               if not isinstance(entry, dict) or "command" in entry}
+    out.settings["mcp_servers"] = servers
+    out.origins["mcp_servers"] = spelling
+
+
+def _mcp_servers_json(text: str, spelling: str, out: Any) -> None:
+    _mcp_servers(text, spelling, out)
+
+
+def _mcp_servers_file(path: str, spelling: str, out: Any) -> None:
+    try:
+        with open(path, encoding="utf-8") as file:
+            text = file.read(1024 * 1024 + 1)
+    except (OSError, UnicodeDecodeError) as exc:
+        raise LlamaServerArgsError(f"{spelling} {path}: cannot read it: {getattr(exc, 'strerror', None) or exc}") \
+            from None
+    if len(text) > 1024 * 1024:
+        raise LlamaServerArgsError(f"{spelling} {path}: larger than 1 MiB")
+    _mcp_servers(text, f"{spelling} {path}", out)
+
+
+def _agent_on(value: Any, spelling: str, out: Any) -> None:
+    out.settings["tools"] = ["all"]
+    out.origins["tools"] = spelling
+    out.notes.append(f"{spelling}: all built-in tools on; {NO_PROXY}")
 
 
 def _chat_template_kwargs(text: str, spelling: str, out: Any) -> None:
@@ -326,13 +374,16 @@ OPTIONS: tuple[Option, ...] = (
     opt("--ui-config --webui-config", "LLAMA_ARG_UI_CONFIG", "string", refused(NO_UI)),
     opt("--ui-config-file --webui-config-file", "LLAMA_ARG_UI_CONFIG_FILE", "string", refused(NO_UI)),
     opt("--ui-mcp-proxy --webui-mcp-proxy", "LLAMA_ARG_UI_MCP_PROXY", "switch",
-        switch(refused(NO_UI), accepted(NO_UI)), negative="--no-ui-mcp-proxy --no-webui-mcp-proxy"),
-    opt("--tools", "LLAMA_ARG_TOOLS", "string", refused(NO_TOOLS)),
-    opt("--tools-runtime", "LLAMA_ARG_TOOLS_RUNTIME", "string", refused(NO_TOOLS)),
-    opt("--mcp-servers-config", "LLAMA_ARG_MCP_SERVERS_CONFIG", "string", refused(NO_TOOLS)),
-    opt("--mcp-servers-json", "LLAMA_ARG_MCP_SERVERS_JSON", "string", refused(NO_TOOLS)),
-    opt("-ag --agent", "LLAMA_ARG_AGENT", "switch", switch(refused(NO_TOOLS), accepted(NO_TOOLS)),
-        negative="-no-ag --no-agent"),
+        switch(refused(NO_PROXY), accepted(NO_PROXY)), negative="--no-ui-mcp-proxy --no-webui-mcp-proxy"),
+    opt("--tools", "LLAMA_ARG_TOOLS", "string", setting("tools", comma_list)),
+    opt("--tools-runtime", "LLAMA_ARG_TOOLS_RUNTIME", "string", setting("tools_runtime")),
+    opt("--mcp-servers-config", "LLAMA_ARG_MCP_SERVERS_CONFIG", "string", custom(
+        "mapped", "mapped to `mcp_servers`, read from the file at start", _mcp_servers_file)),
+    opt("--mcp-servers-json", "LLAMA_ARG_MCP_SERVERS_JSON", "string", custom(
+        "mapped", "mapped to `mcp_servers`", _mcp_servers_json)),
+    opt("-ag --agent", "LLAMA_ARG_AGENT", "switch", switch(
+        custom("mapped", f"mapped to `tools = [\"all\"]`; {NO_PROXY}", _agent_on),
+        const({"tools": []}, "mapped to `tools = []`")), negative="-no-ag --no-agent"),
     opt("--ui --webui", "LLAMA_ARG_UI", "switch", setting(
         "status_page", doc="mapped to `status_page` (Dormouse's status page at /, not llama-server's chat UI)"),
         negative="--no-ui --no-webui"),

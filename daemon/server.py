@@ -25,6 +25,7 @@ from daemon.fleet.metrics import FleetMetrics
 from daemon.fleet.owner import Fleet, FleetModel
 from daemon.fleet.plans import ModelPlan, configured_as_router, footprint_store, memory_budget
 from daemon.http.agent import snapshot_of, start_agent
+from daemon.host_tools.runtime import RuntimeSpecError
 from daemon.http.app import build_app
 from daemon.http.keys import LISTENING
 from daemon.http.vertex_predict import RouteTaken
@@ -170,7 +171,12 @@ async def serve(settings: Settings, plans: list[ModelPlan], reload_settings: Cal
         log.error("http.route_taken", error=str(exc))
         return 2
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=HTTP_CLOSE_SECONDS)
-    await runner.setup()
+    try:
+        await runner.setup()  # starts --tools-runtime's container and lists the MCP servers' tools
+    except RuntimeSpecError as exc:
+        log.error("tools.start_failed", error=str(exc))
+        await runner.cleanup()
+        return 2
     sock = inherited_socket()
     # The admin rule (no admin_key off loopback) is judged on the socket really served: one systemd
     # passes (socket activation) is bound wherever its unit says, whatever `host` is.

@@ -43,10 +43,12 @@ FAKE_DEFAULTS = {"worker_module": "tests.fakes.fake_worker", "sleep_idle_seconds
 
 
 @asynccontextmanager
-async def fake_fleet(models: dict[str, dict] | None = None, sizes: dict[str, int] | None = None, **overrides):
+async def fake_fleet(models: dict[str, dict] | None = None, sizes: dict[str, int] | None = None,
+                     handler_cancellation: bool = False, **overrides):
     """The fleet, its controllers and the HTTP app in this process, on fake workers
     (tests.fakes.fake_worker). `models`: id -> that model's settings; none: a fleet of
-    one ("fake"). `sizes`: id -> predicted bytes. Yields (fleet, client)."""
+    one ("fake"). `sizes`: id -> predicted bytes. `handler_cancellation`: a client that goes
+    away cancels its handler, as in the daemon (daemon/server.py). Yields (fleet, client)."""
     import asyncio
 
     from aiohttp.test_utils import TestClient, TestServer
@@ -69,7 +71,8 @@ async def fake_fleet(models: dict[str, dict] | None = None, sizes: dict[str, int
         plans.append(plan)
     families = MetricFamilies()
     fleet = build_fleet(settings, plans, families, get_logger())
-    client = TestClient(TestServer(build_app(fleet, settings, families, get_logger())))
+    client = TestClient(TestServer(build_app(fleet, settings, families, get_logger()),
+                                   handler_cancellation=handler_cancellation))
     await client.start_server()
     tasks = [asyncio.create_task(fleet.run())]
     tasks += [asyncio.create_task(m.controller.run(load_at_start=m.load_at_start)) for m in fleet.models.values()]

@@ -56,6 +56,7 @@ from yarl import URL
 from config import Settings
 from config.settings import is_loopback_host, normalize_host, normalize_origin
 from daemon.fleet.owner import Fleet
+from daemon.host_tools.registry import HostTools
 from daemon.http.errors import ApiError, dialect_of
 from daemon.http.keys import (ADMIN_NAME, CALLER, FLEET, LISTENING, LOG, LOGGED, METRICS, PRIVILEGED, SETTINGS,
                               Listening, cache_scope)
@@ -64,6 +65,8 @@ from daemon.model.jobs import request_cache_scope
 
 ADMIN_PATHS = frozenset({"/sleep", "/wake", "/models/load", "/models/unload"})
 ADMIN_PREFIXES = ("/slots/",)  # POST /slots/{id}?action=save|restore|erase
+# They read and write files and run commands on this host: the admin key opens them when one is set.
+TOOL_PATHS = frozenset({"/tools"})
 PROBE_PATHS = frozenset({"/health", "/metrics", "/v1/health"})
 PRIVATE_GET_PATHS = frozenset({"/props", "/slots"})
 # llama-server's extras and its unversioned aliases of /v1/*: model work like /v1/*, behind the same API key.
@@ -205,7 +208,7 @@ def _keys_for(path: str, settings: Settings) -> tuple[list[tuple[str, SecretStr]
             or path == settings.predict_route:  # Vertex AI's: each instance is checked again as its own request
         api = _api_keys(settings)
         return (api + admin if api else []), "API key"
-    if path in ADMIN_PATHS or path.startswith(ADMIN_PREFIXES):
+    if path in ADMIN_PATHS or path.startswith(ADMIN_PREFIXES) or path in TOOL_PATHS:
         if settings.admin_key:
             return admin, "admin key"
         return _api_keys(settings), "API key"
@@ -353,6 +356,27 @@ async def errors_and_access(request: web.Request, handler):
     return response
 
 
+def host_tools(settings: Settings, log) -> HostTools:
+    if not settings.mcp_servers:
+        return HostTools(settings.tools, settings.tools_runtime, [], log)
+    from daemon.host_tools.mcp import McpServerConfig
+
+    servers = [McpServerConfig(name, server.command, tuple(server.args), tuple(server.env.items()), server.timeout_ms)
+               for name, server in settings.mcp_servers.items()]
+    return HostTools(settings.tools, settings.tools_runtime, servers, log)
+
+
+async def _host_tools_running(app: web.Application):
+    """MCP servers listed and a --tools-runtime container started before the daemon listens; closed after."""
+    from daemon.http.tool_routes import HOST_TOOLS
+
+    tools = app[HOST_TOOLS]
+    if tools.enabled or tools.runtime:
+        await tools.start()
+    yield
+    await tools.close()
+
+
 def build_app(fleet: Fleet, settings: Settings, metrics: MetricFamilies, log) -> web.Application:
     from daemon.http.admin import routes as admin
     from daemon.http.dialects.anthropic import request as anthropic
@@ -362,7 +386,7 @@ def build_app(fleet: Fleet, settings: Settings, metrics: MetricFamilies, log) ->
     from daemon.http.dialects.openai import request as openai
     from daemon.http.dialects.responses import request as responses
     from daemon.http.status import page as status_page
-    from daemon.http import vertex_predict
+    from daemon.http import tool_routes, vertex_predict
 
     from daemon.http.cold_start import cold_start_headers, max_wait_header
 
@@ -378,8 +402,10 @@ def build_app(fleet: Fleet, settings: Settings, metrics: MetricFamilies, log) ->
     for host in settings.hosts:  # the server corrects them from the sockets it serves (daemon/server.py)
         listening.bind(host)
     app[LISTENING] = listening
-    for routes in (openai, llama_server, responses, anthropic, ollama, infill, rerank, admin, slot_files):
+    for routes in (openai, llama_server, responses, anthropic, ollama, infill, rerank, admin, slot_files, tool_routes):
         routes.add_routes(app)
+    app[tool_routes.HOST_TOOLS] = host_tools(settings, log)
+    app.cleanup_ctx.append(_host_tools_running)
     if settings.status_page:  # off: / and /ui are 404, as llama-server's --no-ui leaves them
         status_page.add_routes(app)
     vertex_predict.add_routes(app)  # last: its formats are the routes above

@@ -111,12 +111,12 @@ def test_no_import_circle_in_the_http_layer_or_the_metrics(graph):
 
 def layer(module: str) -> int | None:
     """0: keys, errors, cold_start (the app's plumbing the core uses); 1: core; 2: dialects;
-    3: admin, status and vertex_predict (it sends its instances to the other routes); 4: the app. None: not in the HTTP layer, or agent (a TCP server of its own)."""
+    3: admin, status, tool_routes and vertex_predict (it sends its instances to the other routes); 4: the app. None: not in the HTTP layer, or agent (a TCP server of its own)."""
     if not module.startswith(HTTP + ".") or module == f"{HTTP}.agent":
         return None
     part = module.split(".")[2]
     return {"keys": 0, "errors": 0, "cold_start": 0, "core": 1, "dialects": 2, "admin": 3, "status": 3,
-            "vertex_predict": 3, "app": 4}[part]
+            "vertex_predict": 3, "tool_routes": 3, "app": 4}[part]
 
 
 def test_every_http_module_has_a_layer(graph):

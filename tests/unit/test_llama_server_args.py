@@ -58,6 +58,12 @@ SAMPLES: dict[str, tuple[str, dict]] = {
     "-lzm": ("on", {"llama_options.lazy_mode": 2}),
     "-ngl": ("all", {"n_gpu_layers": -1}),
     "-sm": ("row", {"llama_options.split_mode": 2}),
+    "--tools": ("read_file,get_info", {"tools": ["read_file", "get_info"]}),
+    "--tools-runtime": ("ssh:me@box", {"tools_runtime": "ssh:me@box"}),
+    "--mcp-servers-json": ('{"mcpServers": {"e": {"command": "x"}, "no_command": {}}}', {"mcp_servers": {
+        "e": {"command": "x"}}}),
+    "--mcp-servers-config": (str(ROOT / "tests/fixtures/mcp_servers/echo.json"), {"mcp_servers": {"echo": {
+        "command": "python3", "args": ["tests/fixtures/mcp_servers/fake_mcp_server.py"], "timeout_ms": 5000}}}),
     "-mg": ("1", {"llama_options.main_gpu": 1}),
     "-fit": ("off", {}),
     "--api-key-file": ("/dev/null", {}),
@@ -117,6 +123,7 @@ SWITCHES: dict[str, tuple[dict | None, dict | None]] = {
     "--context-shift": (None, {}),
     "-cb": ({}, None),
     "--swa-full": ({}, None),
+    "-ag": ({"tools": ["all"]}, {"tools": []}),
 }
 NO_DORMOUSE_FLAGS: dict[str, bool] = {}  # translate() alone, without dormouse serve's own flags
 

@@ -56,6 +56,8 @@ def _generation(ref: str, description: str = "the completion (JSON, or SSE when 
 # An optional model (an id or an alias from /v1/models) for the admin and state paths.
 _MODEL_QUERY = {"name": "model", "in": "query", "required": False, "schema": {"type": "string", "maxLength": 1000}}
 _MODEL_BODY = {"type": "object", "properties": {"model": {"type": "string"}}}
+_TOOL_CALL = {"type": "object", "required": ["tool"], "properties": {
+    "tool": {"type": "string"}, "params": {"type": "object"}, "stream": {"type": "boolean"}}}
 
 
 def _get(description: str, *errors: int, model: bool = False, dialect: str = "openai") -> dict[str, Any]:
@@ -267,6 +269,18 @@ def openapi_document() -> dict[str, Any]:
         "/wake": _admin(False),
         "/models/load": _admin(True),
         "/models/unload": _admin(True),
+        # llama-server's tools on the host (docs/tools.md): 403 feature_disabled unless tools or mcp_servers are set.
+        "/tools": {"get": {"responses": {"200": {"description": "the enabled tools, each with its function "
+                                                                "definition", "content": {_JSON: {"schema": {
+                                                                    "type": "array", "items": {"type": "object"}}}}},
+                                         **_error_responses(401, 403)}},
+                   "post": {"requestBody": {"required": True, "content": {_JSON: {"schema": _TOOL_CALL}}},
+                            "responses": {"200": {"description": "the tool's answer (JSON; SSE of {chunk} then {done} "
+                                                                 "when stream is true)",
+                                                  "content": {_JSON: {"schema": {"type": "object"}},
+                                                              _SSE: {"schema": {"type": "string"}}}},
+                                          **_error_responses(400, 401, 403, 404, 413, 415, 500, 503)}}},
+        "/cors-proxy": {method: {"responses": _error_responses(403)} for method in ("get", "post")},
         # Ollama's /api/* (streams are NDJSON; a body may come without a Content-Type).
         "/api/chat": _generation("OllamaChatRequest", "a chat answer (JSON, or NDJSON lines when stream is true)",
                                  dialect="ollama", streamed_as=_NDJSON),
