@@ -12,7 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 BUILTIN_TOOLS = ("read_file", "file_glob_search", "grep_search", "exec_shell_command", "write_file", "edit_file",
                  "get_info")
 MAX_MCP_SERVERS = 64
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$")  # the start of its tools' function names: no "."
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,255}$")
 _RUNTIME = re.compile(r"^((docker|podman)(-container)?:[A-Za-z0-9][A-Za-z0-9._:/@-]*|ssh:[A-Za-z0-9._@][A-Za-z0-9._@-]*)$")
 
@@ -28,6 +28,10 @@ TOOLS_RUNTIME_DOC = ("where the built-in tools run (--tools-runtime): empty, thi
 MCP_SERVERS_DOC = ("stdio MCP servers whose tools GET /tools lists as SERVER_TOOL and POST /tools calls "
                    "(--mcp-servers-json, --mcp-servers-config): [mcp_servers.NAME] tables of command, args, env and "
                    "timeout_ms. In the environment: a JSON object")
+
+CORS_PROXY_DOC = ("llama-server's /cors-proxy?url=URL (--ui-mcp-proxy; -ag turns it on): the daemon fetches an http(s) "
+                  "URL for a client, forwarding only the x-llama-server-proxy-header-* headers, so a web UI reaches "
+                  "MCP servers that send no CORS headers; false: 403. Opened by the admin key when one is set")
 
 
 class McpServer(BaseModel):
@@ -69,8 +73,8 @@ def check_mcp_names(value: dict[str, McpServer]) -> dict[str, McpServer]:
         raise ValueError(f"at most {MAX_MCP_SERVERS} MCP servers, got {len(value)}")
     for name in value:
         if not _NAME.match(name):
-            raise ValueError(f"MCP server name {name[:80]!r}: letters, digits, '.', '_' and '-', up to 64, "
-                             "starting with a letter or digit")
+            raise ValueError(f"MCP server name {name[:80]!r}: letters, digits, '_' and '-', up to 64, starting "
+                             "with a letter or digit (its tools are named NAME_TOOL, a function name)")
     return value
 
 
@@ -94,6 +98,6 @@ def check_host_tools(settings: Any) -> Any:
             setattr(settings, key, check(getattr(settings, key)))
         except ValueError as exc:
             raise ValueError(f"{key}: {exc}") from None
-    if (settings.tools or settings.mcp_servers) and "cors_origins" not in settings.model_fields_set:
+    if (settings.tools or settings.mcp_servers or settings.cors_proxy) and "cors_origins" not in settings.model_fields_set:
         settings.cors_origins = ["localhost"]
     return settings

@@ -34,8 +34,8 @@ from config.sampling import (MinP, NPredict, Penalty, RepeatLastN, RepeatPenalty
                              TopK, TopP)
 from config.llama_options import LlamaOptions  # noqa: E402
 from config.template_kwargs import check_template_kwargs  # noqa: E402
-from config.host_tools import (MCP_SERVERS_DOC, TOOLS_DOC, TOOLS_RUNTIME_DOC, McpServer, check_host_tools,  # noqa: E402
-                               mcp_servers_json)
+from config.host_tools import (CORS_PROXY_DOC, MCP_SERVERS_DOC, TOOLS_DOC, TOOLS_RUNTIME_DOC, McpServer,  # noqa: E402
+                               check_host_tools, mcp_servers_json)
 
 
 class ConfigError(ValueError):
@@ -162,6 +162,7 @@ class Settings(BaseSettings):
     tools: Annotated[list[str], NoDecode] = Field(default_factory=list, max_length=8, description=TOOLS_DOC)
     tools_runtime: str = Field("", description=TOOLS_RUNTIME_DOC)
     mcp_servers: dict[str, McpServer] = Field(default_factory=dict, description=MCP_SERVERS_DOC)
+    cors_proxy: bool = Field(False, description=CORS_PROXY_DOC)
     metrics_endpoint: bool = Field(True, description="false: GET /metrics answers 501, as llama-server's without "
                                    "--metrics (metrics_key guards it instead, when scrapes are wanted)")
     slots_endpoint: bool = Field(True, description="false: GET /slots answers 501, as llama-server's --no-slots "
@@ -397,9 +398,7 @@ class Settings(BaseSettings):
         # equal to the admin key would make every API caller an admin.
         seen: dict[str, str] = {}
         keys = [("api_key", self.api_key)] + [(f"api_keys.{n}", k) for n, k in self.api_keys.items()]
-        for where, key in keys:
-            if key is None:
-                continue
+        for where, key in ((w, k) for w, k in keys if k is not None):
             secret = key.get_secret_value()
             if secret in seen:
                 raise ValueError(f"{where} is the same key as {seen[secret]}: every key must be different")

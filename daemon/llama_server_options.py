@@ -53,8 +53,6 @@ ADAPTERS = "LoRA adapters and control vectors are not supported"
 DOWNLOADS = "Dormouse downloads nothing from a URL; download the file and give its path, or use -hf"
 PRESET = "a preset downloads a model from Hugging Face; give -hf REPO and the options you need"
 NO_UI = "Dormouse has no chat web UI (its status page at / is turned off by --no-ui)"
-NO_PROXY = ("the web UI's CORS proxy (/cors-proxy) is not served: Dormouse has no chat web UI, and fetches no URL "
-            "for a client")
 REASONING = ("no server-wide setting for it: send reasoning_format or chat_template_kwargs in each request (-rea off "
              "and --chat-template-kwargs set template variables server-wide)")
 DRAFT_TUNING = "the draft model runs with the main model's threads and llama.cpp's default context parameters"
@@ -113,12 +111,6 @@ def _mcp_servers_file(path: str, spelling: str, out: Any) -> None:
     if len(text) > 1024 * 1024:
         raise LlamaServerArgsError(f"{spelling} {path}: larger than 1 MiB")
     _mcp_servers(text, f"{spelling} {path}", out)
-
-
-def _agent_on(value: Any, spelling: str, out: Any) -> None:
-    out.settings["tools"] = ["all"]
-    out.origins["tools"] = spelling
-    out.notes.append(f"{spelling}: all built-in tools on; {NO_PROXY}")
 
 
 def _chat_template_kwargs(text: str, spelling: str, out: Any) -> None:
@@ -373,8 +365,8 @@ OPTIONS: tuple[Option, ...] = (
         refused("routes are served at the root; add a prefix in the proxy in front")),
     opt("--ui-config --webui-config", "LLAMA_ARG_UI_CONFIG", "string", refused(NO_UI)),
     opt("--ui-config-file --webui-config-file", "LLAMA_ARG_UI_CONFIG_FILE", "string", refused(NO_UI)),
-    opt("--ui-mcp-proxy --webui-mcp-proxy", "LLAMA_ARG_UI_MCP_PROXY", "switch",
-        switch(refused(NO_PROXY), accepted(NO_PROXY)), negative="--no-ui-mcp-proxy --no-webui-mcp-proxy"),
+    opt("--ui-mcp-proxy --webui-mcp-proxy", "LLAMA_ARG_UI_MCP_PROXY", "switch", setting("cors_proxy"),
+        negative="--no-ui-mcp-proxy --no-webui-mcp-proxy"),
     opt("--tools", "LLAMA_ARG_TOOLS", "string", setting("tools", comma_list)),
     opt("--tools-runtime", "LLAMA_ARG_TOOLS_RUNTIME", "string", setting("tools_runtime")),
     opt("--mcp-servers-config", "LLAMA_ARG_MCP_SERVERS_CONFIG", "string", custom(
@@ -382,8 +374,9 @@ OPTIONS: tuple[Option, ...] = (
     opt("--mcp-servers-json", "LLAMA_ARG_MCP_SERVERS_JSON", "string", custom(
         "mapped", "mapped to `mcp_servers`", _mcp_servers_json)),
     opt("-ag --agent", "LLAMA_ARG_AGENT", "switch", switch(
-        custom("mapped", f"mapped to `tools = [\"all\"]`; {NO_PROXY}", _agent_on),
-        const({"tools": []}, "mapped to `tools = []`")), negative="-no-ag --no-agent"),
+        const({"tools": ["all"], "cors_proxy": True}, "mapped to `tools = [\"all\"]` and `cors_proxy = true`"),
+        const({"tools": [], "cors_proxy": False}, "mapped to `tools = []` and `cors_proxy = false`")),
+        negative="-no-ag --no-agent"),
     opt("--ui --webui", "LLAMA_ARG_UI", "switch", setting(
         "status_page", doc="mapped to `status_page` (Dormouse's status page at /, not llama-server's chat UI)"),
         negative="--no-ui --no-webui"),

@@ -27,6 +27,7 @@ from daemon.fleet.plans import ModelPlan, configured_as_router, footprint_store,
 from daemon.http.agent import snapshot_of, start_agent
 from daemon.host_tools.runtime import RuntimeSpecError
 from daemon.http.app import build_app
+from daemon.http.tool_routes import HOST_TOOLS
 from daemon.http.keys import LISTENING
 from daemon.http.vertex_predict import RouteTaken
 from daemon.model.chat_template_check import warn_untemplated
@@ -241,6 +242,7 @@ async def serve(settings: Settings, plans: list[ModelPlan], reload_settings: Cal
         await asyncio.sleep(grace)
     log.info("shutdown.begin", in_flight=sum(len(c.machine.in_flight) for c in fleet.controllers))
     notifier.stopping()
+    await app[HOST_TOOLS].close()  # a tool call is not drained: it may run for minutes (docs/tools.md)
     # Each controller's shutdown is bounded by itself; this outer bound is the
     # last word, so that a bug there still exits within TimeoutStopSec.
     inner = settings.shutdown_timeout + CANCEL_GRACE_SECONDS + settings.teardown_timeout

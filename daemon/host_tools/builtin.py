@@ -29,6 +29,11 @@ EXEC_MAX_TIMEOUT = 60  # seconds
 INFO_TIMEOUT = 5
 
 
+TEXT_PARAMS = frozenset({"content", "old_text", "new_text"})  # a file's bytes: NUL allowed
+GREP_MAX_OUTPUT = 64 * 1024  # what grep_search answers, context included
+GREP_LINE_MAX = 2000  # characters of one line shown
+
+
 class ToolInputError(ValueError):
     """Parameters of the wrong type or missing: a 400 that names the parameter."""
 
@@ -137,7 +142,7 @@ def _get(params: dict[str, Any], name: str, kind: type, default: Any = None, *, 
     if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
         raise ToolInputError(f"params.{name} must be {'an integer' if kind is int else kind.__name__}, "
                              f"not {type(value).__name__}")
-    if kind is str and "\x00" in value:
+    if kind is str and "\x00" in value and name not in TEXT_PARAMS:  # a path or a command cannot hold one
         raise ToolInputError(f"params.{name} holds a NUL character")
     return value
 
@@ -176,7 +181,10 @@ def glob_regex(pattern: str) -> re.Pattern[str]:
         else:
             out.append(re.escape(char))
         i += 1
-    return re.compile("".join(out) + r"\Z", re.DOTALL)
+    try:
+        return re.compile("".join(out) + r"\Z", re.DOTALL)
+    except re.error as exc:
+        raise ToolInputError(f"invalid glob {pattern[:100]!r}: {exc}") from None
 
 
 def path_matches(pattern: str, relative: str) -> bool:
@@ -201,6 +209,9 @@ def read_file(params: dict[str, Any], io: HostIO, emit: Callable[[str], None] | 
     start_line = _get(params, "start_line", int, 1)
     end_line = _get(params, "end_line", int, -1)
     append_loc = _get(params, "append_loc", bool, False)
+    if start_line < 1 or (end_line < 1 and end_line != -1) or (end_line != -1 and start_line > end_line):
+        return {"error": f"invalid line range: start_line {start_line}, end_line {end_line} (lines count from 1; "
+                         "end_line -1 is the end of the file)"}
     size = io.file_size(path)
     if size is None:
         return {"error": f"cannot stat file: {path}"}
@@ -292,9 +303,11 @@ def grep_search(params: dict[str, Any], io: HostIO, emit: Callable[[str], None] 
         return {"error": f"path does not exist: {path}"}
     numbered = show_numbers or context > 0
     out: list[str] = []
+    used = 0
     total = 0
+    truncated = False
     for absolute_file, shown in files:
-        if total >= GREP_MAX_RESULTS:
+        if total >= GREP_MAX_RESULTS or truncated:
             break
         size = io.file_size(absolute_file)
         content = io.read_file(absolute_file, GREP_FILE_MAX) if size is not None and size <= GREP_FILE_MAX else None
@@ -310,11 +323,16 @@ def grep_search(params: dict[str, Any], io: HostIO, emit: Callable[[str], None] 
                 continue
             for j in range(max(0, index - context), min(len(lines), index + context + 1)):
                 mark = ":" if j == index else "-"
-                out.append(f"{shown}{mark}{f'{j + 1}{mark}' if numbered else ''}{lines[j]}\n")
+                line = lines[j] if len(lines[j]) <= GREP_LINE_MAX else lines[j][:GREP_LINE_MAX] + "[...]"
+                out.append(f"{shown}{mark}{f'{j + 1}{mark}' if numbered else ''}{line}\n")
+                used += len(out[-1])
             if context:
                 out.append("--\n")
             total += 1
-    text = "".join(out) + f"\n---\nTotal matches: {total}\n"
+            if used > GREP_MAX_OUTPUT:
+                truncated = True
+                break
+    text = "".join(out) + ("[output truncated]\n" if truncated else "") + f"\n---\nTotal matches: {total}\n"
     if total >= GREP_MAX_RESULTS:
         text += f"[{GREP_MAX_RESULTS} matches limit reached. Narrow the path/pattern/include to see more.]\n"
     return {"plain_text_response": text}

@@ -38,6 +38,7 @@ REAP_WAIT_S = 0.5
 EXIT_SETTLE_S = 0.5             # a response written just before exit may still be in the pipe
 STDERR_LOG_BYTES = 8192         # per instance: enough to see why a server failed, not a log flood
 STDERR_TAIL_BYTES = 2048
+MAX_CALLS_PER_SERVER = 64       # under way at once; more answer an error at once
 
 
 @dataclass(frozen=True)
@@ -172,6 +173,10 @@ class _Instance:
         # a write to a pipe nobody reads fails at once and closes the transport: nothing was delivered
         if stdin.is_closing():
             raise _NotSent(f"MCP server '{self.name}' is not reading its input")
+        # a server that stopped reading: what waits for it is the daemon's memory, so past a bound it goes
+        if stdin.get_write_buffer_size() > MAX_LINE:
+            self._die(f"MCP server '{self.name}' is not reading its input")
+            raise _Failure(f"MCP server '{self.name}' is not reading its input")
 
     async def request(self, method: str, params: dict) -> object:
         """The result of one request; raises _Failure with the server's error message or ours."""
@@ -376,6 +381,7 @@ class McpClients:
         self._live: dict[str, _Instance] = {}
         self._spawned: set[_Instance] = set()  # every instance not yet seen to exit, warm-up's included
         self._locks = {name: asyncio.Lock() for name in self._configs}  # one spawn at a time per server
+        self._waiting = dict.fromkeys(self._configs, 0)  # calls under way per server (each holds its arguments)
         self._retry_at: dict[str, tuple[float, str]] = {}
         self._closed = False
 
@@ -410,7 +416,10 @@ class McpClients:
         cfg = self._configs.get(server)
         if cfg is None:
             return {"error": f"MCP server unavailable: {server}"}
+        if self._waiting[server] >= MAX_CALLS_PER_SERVER:
+            return {"error": f"MCP server '{server}': {MAX_CALLS_PER_SERVER} calls are already under way"}
         try:
+            self._waiting[server] += 1
             async with asyncio.timeout(cfg.timeout_ms / 1000):  # spawning and initializing count too
                 result = await self._call(cfg, tool, arguments)
         except TimeoutError:
@@ -421,6 +430,8 @@ class McpClients:
         except Exception as e:  # a bug here must not become a 500 or take the daemon down
             self._log.warning("mcp.call_failed", server=server, tool=tool, error=repr(e))
             return {"error": f"MCP server '{server}': {e!r}"}
+        finally:
+            self._waiting[server] -= 1
         return _to_response(result)
 
     async def _call(self, cfg: McpServerConfig, tool: str, arguments: dict) -> object:

@@ -12,12 +12,14 @@ earlier one, is skipped with a warning, as llama-server skips it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
+import re
 import signal
 import sys
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, AsyncIterator
+from typing import TYPE_CHECKING, Any, AsyncIterator, Iterator
 
 from daemon.host_tools.builtin import EXEC_MAX_TIMEOUT, TOOLS, Tool
 if TYPE_CHECKING:
@@ -29,6 +31,8 @@ MAX_WAITING = 64
 CALL_DEADLINE = 90.0  # seconds for any built-in call but a command (its own timeout, plus this margin)
 COMMAND_MARGIN = 15.0
 RESULT_LINE_LIMIT = 64 * 1024 * 1024  # read_file's base64 answer: 32 MiB of file
+MAX_HELD_BYTES = 256 * 1024 * 1024
+FUNCTION_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 
 
 class ToolCallError(Exception):
@@ -66,6 +70,9 @@ class HostTools:
         self._running = asyncio.Semaphore(MAX_RUNNING)
         self._waiting = 0
         self._container: str | None = None  # the container --tools-runtime docker:IMAGE started
+        self._children: set[asyncio.subprocess.Process] = set()
+        self._held = 0  # bytes of answers being written to their clients
+        self._closed = False
 
     @property
     def enabled(self) -> bool:
@@ -82,6 +89,10 @@ class HostTools:
         if self.mcp is not None:
             for definition in await self.mcp.warm_up():
                 name = f"{definition.server}_{definition.name}"
+                if not FUNCTION_NAME.match(name):  # what OpenAI-style clients accept as a function's name
+                    self.log.warning("mcp_tool_name_refused", tool=name[:100], server=definition.server,
+                                     reason="not 1 to 64 letters, digits, '_' or '-'")
+                    continue
                 if name in self.builtin or name in self.mcp_tools:
                     self.log.warning("mcp_tool_name_taken", tool=name, server=definition.server)
                     continue
@@ -89,6 +100,10 @@ class HostTools:
             self.log.info("mcp_tools", count=len(self.mcp_tools))
 
     async def close(self) -> None:
+        """At the start of shutdown (daemon/server.py) and again at the app's cleanup: the calls under way end at
+        once (their children killed, MCP calls answered with an error) and new ones get a 503."""
+        self._closed = True
+        await asyncio.gather(*(_stop(process) for process in list(self._children)))
         if self.mcp is not None:
             await self.mcp.close()
         if self._container is not None:
@@ -121,8 +136,8 @@ class HostTools:
             raise ToolCallError(404, f"unknown tool \"{name[:200]}\"", "not_found")
         if stream and (tool is None or not tool.stream):
             raise ToolCallError(404, f"tool \"{name}\" does not support stream = true", "not_found")
-        params = {key: value for key, value in params.items() if key not in ("cwd", "runtime", "resp_type")}
-        if tool is not None:
+        if tool is not None:  # an MCP tool's arguments are its own: none of them is dropped
+            params = {key: value for key, value in params.items() if key not in ("cwd", "runtime", "resp_type")}
             for header, key in (("x-tool-cwd", "cwd"), ("x-tool-runtime", "runtime"), ("x-resp-type", "resp_type")):
                 value = headers.get(header, "")
                 if value:
@@ -135,25 +150,39 @@ class HostTools:
                 raise ToolCallError(500, str(exc), "server_error") from None
         return name, params, stream
 
-    async def call(self, name: str, params: dict[str, Any]) -> dict[str, Any]:
+    async def call(self, name: str, params: dict[str, Any]) -> bytes:
+        """The answer's JSON."""
         if name in self.mcp_tools:
             source = self.mcp_tools[name].source
-            return await self.mcp.call(source.server, source.name, params)
-        result: dict[str, Any] = {}
+            return json.dumps(await self.mcp.call(source.server, source.name, params), ensure_ascii=False).encode()
+        result = b"{}"
         try:
             async for message in self._run_child(name, params, stream=False):
                 result = message
         except ToolCallError as exc:
             if exc.code != "timeout":
                 raise
-            return {"error": str(exc)}  # as a command's own timeout reads: the model sees it
+            return json.dumps({"error": str(exc)}).encode()  # as a command's own timeout reads: the model sees it
         return result
+
+    @contextlib.contextmanager
+    def holding(self, size: int) -> Iterator[None]:
+        """While an answer of `size` bytes is written: a client that does not read holds it in memory, so the
+        answers held together are bounded (past MAX_HELD_BYTES, a 503)."""
+        if self._held + size > MAX_HELD_BYTES:
+            raise ToolCallError(503, "too many large tool answers are waiting for their clients: try again later",
+                                "busy")
+        self._held += size
+        try:
+            yield
+        finally:
+            self._held -= size
 
     async def stream(self, name: str, params: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
         """{"chunk": text}... then {"done": true} (with "error" when the call failed)."""
         try:
             async for message in self._run_child(name, params, stream=True):
-                if "chunk" in message:
+                if isinstance(message, dict):  # {"chunk"}; the last, the result's bytes, says nothing more
                     yield message
         except ToolCallError as exc:
             yield {"done": True, "error": str(exc)}
@@ -161,6 +190,8 @@ class HostTools:
         yield {"done": True}
 
     async def _run_child(self, name: str, params: dict[str, Any], stream: bool) -> AsyncIterator[dict[str, Any]]:
+        if self._closed:
+            raise ToolCallError(503, "the daemon is stopping", "stopping")
         if self._waiting >= MAX_WAITING:
             raise ToolCallError(503, f"{MAX_RUNNING + MAX_WAITING} tool calls are already under way: try again "
                                      "later", "busy")
@@ -173,17 +204,19 @@ class HostTools:
             deadline = CALL_DEADLINE
             if name == "exec_shell_command" and isinstance(params.get("timeout"), int):
                 deadline = min(max(params["timeout"], 1), EXEC_MAX_TIMEOUT) + COMMAND_MARGIN
-            async for message in _child(name, params, stream, deadline):
+            async for message in _child(name, params, stream, deadline, self._children):
                 yield message
         finally:
             self._running.release()
 
 
-async def _child(name: str, params: dict[str, Any], stream: bool, deadline: float) -> AsyncIterator[dict[str, Any]]:
+async def _child(name: str, params: dict[str, Any], stream: bool, deadline: float,
+                 running: set[asyncio.subprocess.Process]) -> AsyncIterator[dict[str, Any]]:
     process = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "daemon.host_tools.child", stdin=asyncio.subprocess.PIPE,
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL, start_new_session=True,
         limit=RESULT_LINE_LIMIT)
+    running.add(process)
     loop = asyncio.get_running_loop()
     ends = loop.time() + deadline
     try:
@@ -200,17 +233,19 @@ async def _child(name: str, params: dict[str, Any], stream: bool, deadline: floa
                 raise ToolCallError(500, "the tool's answer is too large", "server_error") from None
             if not line:
                 raise ToolCallError(500, "the tool's process ended without an answer", "server_error")
-            message = json.loads(line)
-            if "chunk" in message:
-                yield message
-            elif "result" in message:
-                yield message["result"]
+            tag, _, payload = line.rstrip(b"\n").partition(b" ")
+            if tag == b"chunk":
+                yield {"chunk": json.loads(payload)}
+            elif tag == b"result":
+                yield payload  # the answer's JSON, as the child wrote it
                 return
-            elif "invalid" in message:
-                raise ToolCallError(400, message["invalid"], "invalid_request")
+            elif tag == b"invalid":
+                raise ToolCallError(400, json.loads(payload), "invalid_request")
             else:
-                raise ToolCallError(500, message.get("failure", "the tool failed"), "server_error")
+                raise ToolCallError(500, json.loads(payload) if tag == b"failure" else "the tool failed",
+                                    "server_error")
     finally:
+        running.discard(process)
         if process.returncode is None:
             await _stop(process)
 

@@ -33,6 +33,7 @@ LIST_TIMEOUT = 15  # seconds for one listing, git's and the walker's together
 LIST_MAX_OUTPUT = 8 * 1024 * 1024
 ISOLATE_TIMEOUT = 30  # seconds for a helper command in a container or over ssh (stat, cat, find)
 ISOLATE_READ_MAX = 64 * 1024 * 1024
+GIT_SAFE = ("-c", "core.fsmonitor=false", "-c", "core.untrackedCache=false")
 _CONTAINER_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 _SSH_TARGET = re.compile(r"^[A-Za-z0-9._@][A-Za-z0-9._@-]*$")
 
@@ -210,7 +211,8 @@ class HostIO:
         if not os.path.isdir(base):
             return [], False, "path does not exist or is not a directory"
         if kind == "file":  # git knows what .gitignore leaves out (it cannot list directories)
-            res = run_process(["git", "-C", base, "ls-files", "--cached", "--others", "--exclude-standard"],
+            # -c: a repository's own config must not run anything (core.fsmonitor is a command git starts)
+            res = run_process(["git", *GIT_SAFE, "-C", base, "ls-files", "--cached", "--others", "--exclude-standard"],
                               LIST_MAX_OUTPUT, LIST_TIMEOUT, combine_stderr=False)
             if res.exit_code == 0 and not res.timed_out:
                 entries = [(line, False) for line in res.output.splitlines()

@@ -65,8 +65,8 @@ from daemon.model.jobs import request_cache_scope
 
 ADMIN_PATHS = frozenset({"/sleep", "/wake", "/models/load", "/models/unload"})
 ADMIN_PREFIXES = ("/slots/",)  # POST /slots/{id}?action=save|restore|erase
-# They read and write files and run commands on this host: the admin key opens them when one is set.
-TOOL_PATHS = frozenset({"/tools"})
+# They read and write files, run commands on this host and fetch URLs from it: the admin key opens them when set.
+TOOL_PATHS = frozenset({"/tools", "/cors-proxy"})
 PROBE_PATHS = frozenset({"/health", "/metrics", "/v1/health"})
 PRIVATE_GET_PATHS = frozenset({"/props", "/slots"})
 # llama-server's extras and its unversioned aliases of /v1/*: model work like /v1/*, behind the same API key.

@@ -1,4 +1,4 @@
-"""GET /tools and POST /tools: llama-server's built-in tools and MCP servers, and its /cors-proxy refusal.
+"""GET /tools and POST /tools: llama-server's built-in tools and MCP servers; and its web UI's /cors-proxy.
 
 Off (403 "this feature is disabled", llama-server's answer) unless the
 operator enabled tools or MCP servers. The model is never involved: a call
@@ -9,13 +9,17 @@ model reads it); a stream is server-sent events of {"chunk"} then {"done"}.
 
 from __future__ import annotations
 
+import asyncio
 import json
 
+import aiohttp
 import msgspec
 from aiohttp import web
+from yarl import URL
 
 from daemon.host_tools.registry import HostTools, ToolCallError
 from daemon.http.errors import ApiError
+from daemon.http.keys import SETTINGS
 
 HOST_TOOLS = web.AppKey("host_tools", HostTools)
 
@@ -47,7 +51,14 @@ async def call_tool(request: web.Request) -> web.StreamResponse:
     try:
         name, params, stream = tools.prepare(body, headers)
         if not stream:
-            return web.json_response(await tools.call(name, params))
+            answer = await tools.call(name, params)
+            with tools.holding(len(answer)):
+                response = web.StreamResponse(headers={"Content-Type": "application/json; charset=utf-8"})
+                response.content_length = len(answer)
+                await response.prepare(request)
+                await response.write(answer)
+                await response.write_eof()
+            return response
     except ToolCallError as exc:
         raise ApiError(exc.status, str(exc), exc.code) from None
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
@@ -59,10 +70,83 @@ async def call_tool(request: web.Request) -> web.StreamResponse:
     return response
 
 
-async def cors_proxy(request: web.Request) -> web.Response:
-    """llama-server's web UI fetches MCP servers through it; Dormouse has no web UI and fetches no URL for a
-    client (an open proxy from the daemon's network): refused as llama-server refuses it when off."""
-    raise _disabled()
+PROXY_HEADER = "x-llama-server-proxy-header-"
+PROXY_MAX_RUNNING = 32
+PROXY_TIMEOUT = aiohttp.ClientTimeout(total=None, sock_connect=30, sock_read=600)  # llama-server's 10 minutes
+PROXY_KEPT_HEADERS = ("Content-Type", "Cache-Control", "Mcp-Session-Id")
+
+
+class ProxyState:
+    """The proxy's client session (opened on first use, closed with the app) and its count of requests under way."""
+
+    def __init__(self) -> None:
+        self.session: aiohttp.ClientSession | None = None
+        self.running = 0
+
+    async def close(self) -> None:
+        if self.session is not None:
+            await self.session.close()
+
+
+PROXY = web.AppKey("cors_proxy", ProxyState)
+
+
+def _target(request: web.Request) -> URL:
+    raw = request.query.get("url", "")
+    try:
+        url = URL(raw)
+    except ValueError:
+        url = None
+    if url is None or not url.is_absolute() or not url.host:
+        raise ApiError(400, "invalid target URL: give ?url=http(s)://host/path", "invalid_request", param="url")
+    if url.scheme not in ("http", "https"):
+        raise ApiError(400, f"unsupported URL scheme in target URL: {url.scheme[:20]}", "invalid_request", param="url")
+    if url.user or url.password:
+        raise ApiError(400, "authentication in target URL is not supported", "invalid_request", param="url")
+    return url
+
+
+async def cors_proxy(request: web.Request) -> web.StreamResponse:
+    """llama-server's web UI proxy: the request goes to ?url= with only the headers the client named
+    (x-llama-server-proxy-header-NAME: its cookies, keys and Authorization stay here), the answer comes back
+    as it streams (an MCP server's SSE). Off (the default): 403, as llama-server's."""
+    if not request.app[SETTINGS].cors_proxy:
+        raise _disabled()
+    url = _target(request)
+    state = request.app[PROXY]
+    if state.running >= PROXY_MAX_RUNNING:
+        raise ApiError(503, f"{PROXY_MAX_RUNNING} proxied requests are under way: try again later", "busy",
+                       retry_after=1)
+    headers = {name[len(PROXY_HEADER):]: value for name, value in request.headers.items()
+               if name.lower().startswith(PROXY_HEADER) and len(name) > len(PROXY_HEADER)}
+    body = await request.read() if request.method == "POST" else None
+    if state.session is None:
+        state.session = aiohttp.ClientSession(timeout=PROXY_TIMEOUT, auto_decompress=False,
+                                              skip_auto_headers=("User-Agent",))
+    state.running += 1
+    try:
+        async with state.session.request(request.method, url, headers=headers, data=body,
+                                         allow_redirects=False) as upstream:
+            response = web.StreamResponse(status=upstream.status, headers={
+                name: upstream.headers[name] for name in PROXY_KEPT_HEADERS if name in upstream.headers})
+            if "Content-Encoding" in upstream.headers:
+                response.headers["Content-Encoding"] = upstream.headers["Content-Encoding"]
+            await response.prepare(request)
+            async for chunk in upstream.content.iter_any():
+                await response.write(chunk)
+            await response.write_eof()
+            return response
+    except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+        raise ApiError(502, f"the proxied request failed: {str(exc)[:300] or type(exc).__name__}",
+                       "bad_gateway") from None
+    finally:
+        state.running -= 1
+
+
+async def _proxy_session(app: web.Application):
+    app[PROXY] = ProxyState()
+    yield
+    await app[PROXY].close()
 
 
 def add_routes(app: web.Application) -> None:
@@ -70,3 +154,4 @@ def add_routes(app: web.Application) -> None:
     app.router.add_post("/tools", call_tool)
     app.router.add_get("/cors-proxy", cors_proxy)
     app.router.add_post("/cors-proxy", cors_proxy)
+    app.cleanup_ctx.append(_proxy_session)

@@ -243,3 +243,161 @@ async def test_a_slow_mcp_call_ends_at_its_timeout_and_the_daemon_closes_promptl
     # leaving the block closed the app (its cleanup closes the MCP clients): the slow call got an answer or
     # its connection closed, and no wait of 30 s happened (the test would time out)
     await asyncio.wait_for(asyncio.gather(pending, return_exceptions=True), 10)
+
+
+async def test_stopping_ends_the_calls_under_way_at_once_and_refuses_new_ones(tmp_path):
+    """The daemon closes the tools first when it stops (daemon/server.py): a command of 50 s and an MCP call of
+    30 s end then, not when they would, and a call after that is a 503."""
+    from daemon.http.tool_routes import HOST_TOOLS
+
+    async with fake_daemon(mcp_servers={"slow": mcp()}, **ALL) as (_, client):
+        pid_file = tmp_path / "pid"
+        command = asyncio.ensure_future(client.post("/tools", json={"tool": "exec_shell_command", "params": {
+            "command": f"echo $$ > {pid_file}; sleep 50", "timeout": 60}}))
+        slow = asyncio.ensure_future(client.post("/tools", json={"tool": "slow_sleep", "params": {"seconds": 30}}))
+        for _ in range(200):
+            if pid_file.exists() and pid_file.read_text().strip():
+                break
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(0.3)  # the MCP call reaches its server
+        await asyncio.wait_for(client.server.app[HOST_TOOLS].close(), 10)
+        answered, mcp_answer = await asyncio.wait_for(asyncio.gather(command, slow), 10)
+        assert answered.status == 500 and "ended without an answer" in (await answered.json())["error"]["message"]
+        assert "error" in await mcp_answer.json()
+        assert not alive(int(pid_file.read_text()))
+        late = await client.post("/tools", json={"tool": "get_info"})
+        assert late.status == 503 and "stopping" in (await late.json())["error"]["message"]
+
+
+# -- the web UI's CORS proxy (cors_proxy, llama-server's --ui-mcp-proxy) --
+
+async def _target_server(seen: list):
+    """An upstream that records what reached it: GET /capture, POST / answers 204, GET /stream trickles."""
+    from aiohttp import web
+    from aiohttp.test_utils import TestServer
+
+    async def capture(request):
+        seen.append(dict(request.headers))
+        return web.Response(text="ok", content_type="text/plain")
+
+    async def no_content(request):
+        seen.append(await request.read())
+        return web.Response(status=204)
+
+    async def stream(request):
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        for n in range(3):
+            await response.write(f"data: {n}\n\n".encode())
+            await asyncio.sleep(0.01)
+        return response
+
+    async def slow(request):
+        await asyncio.sleep(30)
+        return web.Response(text="late")
+
+    app = web.Application()
+    app.router.add_get("/capture", capture)
+    app.router.add_post("/", no_content)
+    app.router.add_get("/stream", stream)
+    app.router.add_get("/slow", slow)
+    server = TestServer(app)
+    await server.start_server()
+    return server
+
+
+async def test_the_proxy_forwards_only_the_headers_the_client_names_and_streams_the_answer():
+    seen: list = []
+    target = await _target_server(seen)
+    try:
+        async with fake_daemon(cors_proxy=True, api_key="k") as (_, client):
+            base = f"http://127.0.0.1:{target.port}"
+            response = await client.get(f"/cors-proxy?url={base}/capture", headers={
+                "Authorization": "Bearer k", "Cookie": "session=secret", "Proxy-Authorization": "Basic x",
+                "x-llama-server-proxy-header-accept": "application/json",
+                "x-llama-server-proxy-header-authorization": "Bearer explicit"})
+            assert response.status == 200 and await response.text() == "ok"
+            captured = {k.lower(): v for k, v in seen[-1].items()}
+            assert captured["accept"] == "application/json" and captured["authorization"] == "Bearer explicit"
+            assert not {"cookie", "proxy-authorization", "x-api-key"} & set(captured)
+            empty = await client.post(f"/cors-proxy?url={base}/", json={"jsonrpc": "2.0"},
+                                      headers={"Authorization": "Bearer k"})
+            assert empty.status == 204 and await empty.read() == b"" and seen[-1] == b'{"jsonrpc": "2.0"}'
+            events = await client.get(f"/cors-proxy?url={base}/stream", headers={"Authorization": "Bearer k"})
+            assert events.headers["Content-Type"] == "text/event-stream"
+            assert await events.text() == "data: 0\n\ndata: 1\n\ndata: 2\n\n"
+            assert (await client.get(f"/cors-proxy?url={base}/capture")).status == 401  # the key applies
+    finally:
+        await target.close()
+
+
+@pytest.mark.parametrize("url, status, words", [
+    ("", 400, "invalid target URL"),
+    ("ftp://example.com/x", 400, "unsupported URL scheme"),
+    ("file:///etc/passwd", 400, "invalid target URL"),
+    ("http://user:pw@127.0.0.1:1/", 400, "authentication in target URL"),
+    ("http://127.0.0.1:1/", 502, "the proxied request failed"),
+])
+async def test_the_proxy_refuses_what_it_cannot_fetch_by_name(url, status, words):
+    async with fake_daemon(cors_proxy=True) as (_, client):
+        response = await client.get("/cors-proxy", params={"url": url})
+        assert response.status == status and words in (await response.json())["error"]["message"]
+
+
+async def test_the_proxy_is_off_by_default_and_bounded_when_on(monkeypatch):
+    from daemon.http import tool_routes
+
+    async with fake_daemon() as (_, client):
+        assert (await client.get("/cors-proxy", params={"url": "http://127.0.0.1:1/"})).status == 403
+    monkeypatch.setattr(tool_routes, "PROXY_MAX_RUNNING", 2)
+    target = await _target_server([])
+    try:
+        async with fake_daemon(cors_proxy=True, handler_cancellation=True) as (_, client):
+            url = {"url": f"http://127.0.0.1:{target.port}/slow"}
+            held = [asyncio.ensure_future(client.get("/cors-proxy", params=url)) for _ in range(2)]
+            await asyncio.sleep(0.3)
+            busy = await client.get("/cors-proxy", params=url)
+            assert busy.status == 503 and busy.headers["Retry-After"] == "1"
+            for request in held:
+                request.cancel()
+            await asyncio.gather(*held, return_exceptions=True)
+    finally:
+        await target.close()
+
+
+async def test_review_findings_stay_fixed(tmp_path, monkeypatch):
+    """From the adversarial review: a repository's git config runs nothing; a bad glob or line range is an error
+    the model reads; grep's answer is bounded; an MCP tool keeps arguments named cwd; answers held for clients
+    that do not read are bounded."""
+    from daemon.host_tools import registry
+
+    repo = tmp_path / "repo"
+    subprocess.run(["git", "init", "-q", str(repo)], check=True)
+    marker = tmp_path / "pwned"
+    subprocess.run(["git", "-C", str(repo), "config", "core.fsmonitor", f"touch {marker}; false"], check=True)
+    (repo / "a.txt").write_text("m" * 20000 + "\n")
+    async with fake_daemon(tools=["file_glob_search", "grep_search", "read_file"],
+                           mcp_servers={"echo": mcp()}) as (_, client):
+        async def call(tool: str, **params) -> dict:
+            response = await client.post("/tools", json={"tool": tool, "params": params})
+            assert response.status == 200, await response.text()
+            return await response.json()
+
+        assert "a.txt" in (await call("file_glob_search", path=str(repo)))["plain_text_response"]
+        await call("grep_search", path=str(repo), pattern="m")
+        assert not marker.exists()
+        bad_glob = await client.post("/tools", json={"tool": "file_glob_search", "params": {
+            "path": str(repo), "include": "[z-a]"}})
+        assert bad_glob.status == 400 and "invalid glob" in (await bad_glob.json())["error"]["message"]
+        for start, end in ((0, -1), (1, 0), (1, -2), (5, 3)):
+            answer = await call("read_file", path=str(repo / "a.txt"), start_line=start, end_line=end)
+            assert "invalid line range" in answer["error"], (start, end)
+        (repo / "wide.txt").write_text(("m" * 20000 + "\n") * 60)
+        text = (await call("grep_search", path=str(repo / "wide.txt"), pattern="m", context_lines=100))
+        assert len(text["plain_text_response"]) < 200_000 and "[output truncated]" in text["plain_text_response"]
+        echoed = await call("echo_args", cwd="/x", runtime="r", resp_type="t", keep=1)
+        assert json.loads(echoed["plain_text_response"]) == {"cwd": "/x", "runtime": "r", "resp_type": "t", "keep": 1}
+        monkeypatch.setattr(registry, "MAX_HELD_BYTES", 10)
+        held = await client.post("/tools", json={"tool": "read_file", "params": {"path": str(repo / "a.txt"),
+                                                                                 "start_line": 1, "end_line": 1}})
+        assert held.status == 503 and "waiting for their clients" in (await held.json())["error"]["message"]

@@ -123,7 +123,8 @@ SWITCHES: dict[str, tuple[dict | None, dict | None]] = {
     "--context-shift": (None, {}),
     "-cb": ({}, None),
     "--swa-full": ({}, None),
-    "-ag": ({"tools": ["all"]}, {"tools": []}),
+    "-ag": ({"tools": ["all"], "cors_proxy": True}, {"tools": [], "cors_proxy": False}),
+    "--ui-mcp-proxy": ({"cors_proxy": True}, {"cors_proxy": False}),
 }
 NO_DORMOUSE_FLAGS: dict[str, bool] = {}  # translate() alone, without dormouse serve's own flags
 

@@ -17,7 +17,7 @@ import structlog
 from daemon.host_tools.mcp import McpClients, McpServerConfig, McpToolDef
 
 SERVER = Path(__file__).parents[1] / "fixtures" / "mcp_servers" / "fake_mcp_server.py"
-FAKE_TOOLS = ["echo", "add", "multi", "tool_error", "fail_once", "sleep", "crash", "big", "pid", "env", "bare",
+FAKE_TOOLS = ["echo", "add", "multi", "tool_error", "fail_once", "sleep", "crash", "big", "pid", "env", "bare", "args",
               "odd_schema"]
 
 
@@ -70,13 +70,13 @@ def servers_from(text: str) -> dict:
 def test_a_full_config_becomes_the_setting():
     text = json.dumps({"mcpServers": {
         "files": {"command": "npx", "args": ["-y", "server-files"], "env": {"ROOT": "/srv"}, "timeout_ms": 5000},
-        "web.search-2": {"command": "/usr/bin/search"},
+        "web_search-2": {"command": "/usr/bin/search"},
         "remote": {"url": "https://example.com/mcp"},  # no command: an HTTP server, skipped as llama-server does
     }})
     servers = servers_from(text)
-    assert list(servers) == ["files", "web.search-2"]
+    assert list(servers) == ["files", "web_search-2"]
     assert servers["files"].args == ["-y", "server-files"] and servers["files"].env == {"ROOT": "/srv"}
-    assert servers["files"].timeout_ms == 5000 and servers["web.search-2"].timeout_ms == 30000
+    assert servers["files"].timeout_ms == 5000 and servers["web_search-2"].timeout_ms == 30000
     assert servers_from("{}") == {} and servers_from('{"mcpServers": {}}') == {}
 
 
@@ -98,6 +98,7 @@ def test_a_full_config_becomes_the_setting():
     ('{"mcpServers": {"a": {"command": "c", "timeout_ms": true}}}', "valid integer"),
     ('{"mcpServers": {"bad name": {"command": "c"}}}', "server name"),
     ('{"mcpServers": {"_x": {"command": "c"}}}', "server name"),
+    ('{"mcpServers": {"my.srv": {"command": "c"}}}', "server name"),
     ('{"mcpServers": {"%s": {"command": "c"}}}' % ("a" * 65), "server name"),
     ('{"mcpServers": {"a": {"command": "c"}, "a": {"command": "d"}}}', '"a" is given twice'),
     (json.dumps({"mcpServers": {f"s{i}": {"command": "c"} for i in range(65)}}), "at most 64"),
@@ -317,3 +318,15 @@ async def test_a_grandchild_holding_the_pipes_hangs_nothing(make_clients, grandc
         "error": "MCP server 'parent' exited with status 3"}
     assert await clients.call("parent", "echo", {"message": "y"}) == {"plain_text_response": "echo: y"}
     await asyncio.wait_for(clients.close(), 5)
+
+
+async def test_a_server_that_stops_reading_is_dropped_before_its_input_fills_the_daemon(make_clients):
+    """Calls of 4 MiB of arguments each to a server that no longer reads: they time out, and once more than 16 MiB
+    waits unwritten the instance is killed, so what the daemon holds for it stays bounded."""
+    clients = make_clients(fake("stuck", "--stop-reading", timeout_ms=300))
+    big = {"message": "x" * (4 * 2**20)}
+    answers = [await clients.call("stuck", "echo", big) for _ in range(8)]
+    assert all("error" in a for a in answers)
+    assert any("not reading its input" in a["error"] for a in answers), answers
+    instance = clients._live.get("stuck")
+    assert instance is None or instance._stdin is None or instance._stdin.get_write_buffer_size() <= 20 * 2**20
