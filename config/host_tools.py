@@ -98,6 +98,6 @@ def check_host_tools(settings: Any) -> Any:
             setattr(settings, key, check(getattr(settings, key)))
         except ValueError as exc:
             raise ValueError(f"{key}: {exc}") from None
-    if (settings.tools or settings.mcp_servers or settings.cors_proxy) and "cors_origins" not in settings.model_fields_set:
+    if (settings.tools or settings.mcp_servers) and "cors_origins" not in settings.model_fields_set:
         settings.cors_origins = ["localhost"]
     return settings

@@ -262,6 +262,10 @@ def _check_content_type(request: web.Request) -> None:
             declared is None
             or request.content_type.lower() in ("application/x-www-form-urlencoded", "application/octet-stream")):
         return
+    # llama-server's web UI names every header of a proxied request, its Content-Type too (it sends the body as
+    # text): a custom header a page cannot send cross-origin without a preflight.
+    if request.path == "/cors-proxy" and "x-llama-server-proxy-header-content-type" in request.headers:
+        return
     if declared is None or request.content_type.lower() != JSON:
         shown = "no Content-Type" if declared is None else f"Content-Type {request.content_type!r}"
         raise ApiError(415, f"{shown}: send the body as 'Content-Type: application/json'", "unsupported_media_type")

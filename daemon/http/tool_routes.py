@@ -73,7 +73,10 @@ async def call_tool(request: web.Request) -> web.StreamResponse:
 PROXY_HEADER = "x-llama-server-proxy-header-"
 PROXY_MAX_RUNNING = 32
 PROXY_TIMEOUT = aiohttp.ClientTimeout(total=None, sock_connect=30, sock_read=600)  # llama-server's 10 minutes
-PROXY_KEPT_HEADERS = ("Content-Type", "Cache-Control", "Mcp-Session-Id")
+PROXY_KEPT_HEADERS = ("Content-Type", "Content-Encoding", "Cache-Control", "Mcp-Session-Id")
+# The connection's own headers are this hop's: a client's would desynchronise the pooled upstream connections.
+HOP_BY_HOP = frozenset({"host", "content-length", "transfer-encoding", "connection", "keep-alive", "upgrade", "te",
+                        "trailer", "expect", "proxy-authorization", "proxy-authenticate", "proxy-connection"})
 
 
 class ProxyState:
@@ -114,29 +117,40 @@ async def cors_proxy(request: web.Request) -> web.StreamResponse:
         raise _disabled()
     url = _target(request)
     state = request.app[PROXY]
+    if request.headers.get("Sec-Fetch-Mode") == "navigate":
+        # a page the browser would show on the daemon's origin, where its script could call /tools
+        raise ApiError(403, "the CORS proxy answers fetches, not page loads", "navigation_refused")
     if state.running >= PROXY_MAX_RUNNING:
         raise ApiError(503, f"{PROXY_MAX_RUNNING} proxied requests are under way: try again later", "busy",
                        retry_after=1)
     headers = {name[len(PROXY_HEADER):]: value for name, value in request.headers.items()
-               if name.lower().startswith(PROXY_HEADER) and len(name) > len(PROXY_HEADER)}
-    body = await request.read() if request.method == "POST" else None
+               if name.lower().startswith(PROXY_HEADER) and len(name) > len(PROXY_HEADER)
+               and name[len(PROXY_HEADER):].lower() not in HOP_BY_HOP}
     if state.session is None:
+        # no cookie jar: one client's upstream cookies must not ride along on the next client's requests
         state.session = aiohttp.ClientSession(timeout=PROXY_TIMEOUT, auto_decompress=False,
-                                              skip_auto_headers=("User-Agent",))
+                                              cookie_jar=aiohttp.DummyCookieJar(),
+                                              skip_auto_headers=("User-Agent", "Accept-Encoding"))
     state.running += 1
+    response: web.StreamResponse | None = None
     try:
-        async with state.session.request(request.method, url, headers=headers, data=body,
-                                         allow_redirects=False) as upstream:
+        body = await request.read() if request.method == "POST" else None
+        async with state.session.request(request.method, url, headers=headers, data=body) as upstream:
             response = web.StreamResponse(status=upstream.status, headers={
                 name: upstream.headers[name] for name in PROXY_KEPT_HEADERS if name in upstream.headers})
-            if "Content-Encoding" in upstream.headers:
-                response.headers["Content-Encoding"] = upstream.headers["Content-Encoding"]
+            # what comes back is another site's: never a page or a script of the daemon's origin
+            response.headers["Content-Security-Policy"] = "sandbox"
+            response.headers["X-Content-Type-Options"] = "nosniff"
             await response.prepare(request)
             async for chunk in upstream.content.iter_any():
                 await response.write(chunk)
             await response.write_eof()
             return response
     except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+        if response is not None and response.prepared:  # its status went out: end the answer where it broke
+            if request.transport is not None:
+                request.transport.close()
+            return response
         raise ApiError(502, f"the proxied request failed: {str(exc)[:300] or type(exc).__name__}",
                        "bad_gateway") from None
     finally:

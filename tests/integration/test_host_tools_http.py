@@ -296,11 +296,22 @@ async def _target_server(seen: list):
         await asyncio.sleep(30)
         return web.Response(text="late")
 
+    async def moved(request):
+        raise web.HTTPTemporaryRedirect("/capture")
+
+    async def cookie(request):
+        seen.append(dict(request.headers))
+        response = web.Response(text="<script>alert(1)</script>", content_type="text/html")
+        response.set_cookie("upstream", "secret")
+        return response
+
     app = web.Application()
     app.router.add_get("/capture", capture)
     app.router.add_post("/", no_content)
     app.router.add_get("/stream", stream)
     app.router.add_get("/slow", slow)
+    app.router.add_get("/moved", moved)
+    app.router.add_get("/cookie", cookie)
     server = TestServer(app)
     await server.start_server()
     return server
@@ -355,7 +366,10 @@ async def test_the_proxy_is_off_by_default_and_bounded_when_on(monkeypatch):
         async with fake_daemon(cors_proxy=True, handler_cancellation=True) as (_, client):
             url = {"url": f"http://127.0.0.1:{target.port}/slow"}
             held = [asyncio.ensure_future(client.get("/cors-proxy", params=url)) for _ in range(2)]
-            await asyncio.sleep(0.3)
+            for _ in range(400):  # both under way (bounded by count: a busy machine is slow, never wrong)
+                if client.server.app[tool_routes.PROXY].running == 2:
+                    break
+                await asyncio.sleep(0.025)
             busy = await client.get("/cors-proxy", params=url)
             assert busy.status == 503 and busy.headers["Retry-After"] == "1"
             for request in held:
@@ -401,3 +415,35 @@ async def test_review_findings_stay_fixed(tmp_path, monkeypatch):
         held = await client.post("/tools", json={"tool": "read_file", "params": {"path": str(repo / "a.txt"),
                                                                                  "start_line": 1, "end_line": 1}})
         assert held.status == 503 and "waiting for their clients" in (await held.json())["error"]["message"]
+
+
+async def test_the_proxy_keeps_the_hop_s_headers_cookies_and_pages_to_itself():
+    """From the proxy's review: the web UI's text POST with its content type named; Host and framing headers of
+    the client never forwarded; no cookie kept across requests; a redirect followed; what comes back sandboxed,
+    and a page load refused."""
+    seen: list = []
+    target = await _target_server(seen)
+    try:
+        async with fake_daemon(cors_proxy=True) as (_, client):
+            base = f"http://127.0.0.1:{target.port}"
+            posted = await client.post(f"/cors-proxy?url={base}/", data='{"jsonrpc": "2.0"}', headers={
+                "Content-Type": "text/plain;charset=UTF-8",
+                "x-llama-server-proxy-header-content-type": "application/json"})
+            assert posted.status == 204 and seen[-1] == b'{"jsonrpc": "2.0"}'
+            answer = await client.get(f"/cors-proxy?url={base}/capture", headers={
+                "x-llama-server-proxy-header-host": "evil.example", "x-llama-server-proxy-header-content-length": "99",
+                "x-llama-server-proxy-header-x-kept": "yes"})
+            assert answer.status == 200
+            captured = {k.lower(): v for k, v in seen[-1].items()}
+            assert captured["host"] == f"127.0.0.1:{target.port}" and captured["x-kept"] == "yes"
+            assert "content-length" not in captured
+            page = await client.get(f"/cors-proxy?url={base}/cookie")
+            assert page.headers["Content-Security-Policy"] == "sandbox" and "Set-Cookie" not in page.headers
+            await client.get(f"/cors-proxy?url={base}/cookie")
+            assert "cookie" not in {k.lower() for k in seen[-1]}
+            moved = await client.get(f"/cors-proxy?url={base}/moved")
+            assert moved.status == 200 and await moved.text() == "ok"
+            navigated = await client.get(f"/cors-proxy?url={base}/cookie", headers={"Sec-Fetch-Mode": "navigate"})
+            assert navigated.status == 403
+    finally:
+        await target.close()
