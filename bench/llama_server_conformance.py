@@ -24,7 +24,7 @@ whose outcome differs from such an earlier file.
 
 The suite's own requirements (its requirements.txt): pytest, requests, openai, prometheus-client,
 numpy, filelock, aiohttp are in the `test` extra already; `wget` and `pytest-xdist` are not needed
-(wget is stood in for; the run is serial). Takes about 60 minutes on 2 idle cores, far more on busy
+(wget is stood in for; the run is serial). Takes about 18 minutes on 2 idle cores (2026-12-08), more on busy
 ones (docs/llama-server.md): run it file by file (`-- unit/test_embedding.py`) to measure a change.
 """
 
