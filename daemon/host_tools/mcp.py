@@ -21,14 +21,12 @@ import contextlib
 import itertools
 import json
 import os
-import re
 import signal
 from dataclasses import dataclass
 
 from daemon import __version__
 
 PROTOCOL_VERSION = "2024-11-05"
-MAX_TIMEOUT_MS = 600_000
 MAX_LINE = 16 * 2**20           # one JSON-RPC message; longer kills the instance
 WARM_UP_CAP_MS = 10_000         # a server that will not list its tools must not hold up start-up
 MAX_PAGES = 100                 # tools/list pages followed; a cursor loop must end
