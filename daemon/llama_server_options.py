@@ -97,10 +97,6 @@ def _mcp_servers(text: str, spelling: str, out: Any) -> None:
     out.origins["mcp_servers"] = spelling
 
 
-def _mcp_servers_json(text: str, spelling: str, out: Any) -> None:
-    _mcp_servers(text, spelling, out)
-
-
 def _mcp_servers_file(path: str, spelling: str, out: Any) -> None:
     try:
         with open(path, encoding="utf-8") as file:
@@ -372,7 +368,7 @@ OPTIONS: tuple[Option, ...] = (
     opt("--mcp-servers-config", "LLAMA_ARG_MCP_SERVERS_CONFIG", "string", custom(
         "mapped", "mapped to `mcp_servers`, read from the file at start", _mcp_servers_file)),
     opt("--mcp-servers-json", "LLAMA_ARG_MCP_SERVERS_JSON", "string", custom(
-        "mapped", "mapped to `mcp_servers`", _mcp_servers_json)),
+        "mapped", "mapped to `mcp_servers`", _mcp_servers)),
     opt("-ag --agent", "LLAMA_ARG_AGENT", "switch", switch(
         const({"tools": ["all"], "cors_proxy": True}, "mapped to `tools = [\"all\"]` and `cors_proxy = true`"),
         const({"tools": [], "cors_proxy": False}, "mapped to `tools = []` and `cors_proxy = false`")),

@@ -20,16 +20,13 @@ import sys
 from typing import Any
 
 from daemon.host_tools.builtin import RUN, ToolInputError
-from daemon.host_tools.runtime import RUNNING_GROUPS, RuntimeSpecError, tool_io
+from daemon.host_tools.runtime import RUNNING_GROUPS, RuntimeSpecError, kill_group, tool_io
 
 
 def _stop(signum: int, frame: object) -> None:
     """The daemon ends a call (its client left, its deadline passed): the command's own group goes too."""
     for group in list(RUNNING_GROUPS):
-        try:
-            os.killpg(group, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
+        kill_group(group)
     os._exit(1)
 
 

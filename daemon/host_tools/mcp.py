@@ -21,10 +21,10 @@ import contextlib
 import itertools
 import json
 import os
-import signal
 from dataclasses import dataclass
 
 from daemon import __version__
+from daemon.host_tools.runtime import kill_group
 
 PROTOCOL_VERSION = "2024-11-05"
 MAX_LINE = 16 * 2**20           # one JSON-RPC message; longer kills the instance
@@ -317,8 +317,7 @@ class _Instance:
             self._log.warning("mcp.server_died", server=self.name, reason=reason,
                               stderr_tail=self._stderr_tail.decode(errors="replace")[-500:])
         self._fail_pending(reason)
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self._proc.pid, signal.SIGKILL)
+        kill_group(self._proc.pid)
         # close our pipe ends rather than wait for EOF: a grandchild outside the group may hold the others.
         # stdin with unwritten data is aborted: a plain close would wait to flush to a reader that may never read
         for transport in self._transports:

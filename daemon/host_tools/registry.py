@@ -14,17 +14,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import os
 import re
-import signal
 import sys
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, AsyncIterator, Iterator
+from typing import TYPE_CHECKING, Any, AsyncIterator, Iterator, Mapping
 
 from daemon.host_tools.builtin import EXEC_MAX_TIMEOUT, TOOLS, Tool
 if TYPE_CHECKING:
-    from daemon.host_tools.mcp import McpClients, McpServerConfig, McpToolDef
-from daemon.host_tools.runtime import RuntimeSpecError, check_runtime, parse_container_spec
+    from config.host_tools import McpServer
+    from daemon.host_tools.mcp import McpClients, McpToolDef
+from daemon.host_tools.runtime import RuntimeSpecError, check_runtime, kill_group, parse_container_spec
 
 MAX_RUNNING = 8
 MAX_WAITING = 64
@@ -56,15 +55,16 @@ class McpTool:
 
 
 class HostTools:
-    def __init__(self, enabled: list[str], runtime: str, mcp_servers: list[McpServerConfig], log) -> None:
+    def __init__(self, enabled: list[str], runtime: str, mcp_servers: Mapping[str, McpServer], log) -> None:
         self.builtin: dict[str, Tool] = {name: tool for name, tool in TOOLS.items()
                                          if name in enabled or "all" in enabled}
         self.runtime = runtime
         self.mcp: McpClients | None = None
         if mcp_servers:
-            from daemon.host_tools.mcp import McpClients  # the MCP client only where MCP servers are configured
+            from daemon.host_tools.mcp import McpClients, McpServerConfig  # only where MCP servers are configured
 
-            self.mcp = McpClients(mcp_servers, log)
+            self.mcp = McpClients([McpServerConfig(name, server.command, tuple(server.args), tuple(server.env.items()),
+                                                   server.timeout_ms) for name, server in mcp_servers.items()], log)
         self.mcp_tools: dict[str, McpTool] = {}
         self.log = log
         self._running = asyncio.Semaphore(MAX_RUNNING)
@@ -114,7 +114,7 @@ class HostTools:
     def listing(self) -> list[dict[str, Any]]:
         return [tool.listing() for tool in self.builtin.values()] + [t.listing() for t in self.mcp_tools.values()]
 
-    def prepare(self, body: Any, headers: dict[str, str]) -> tuple[str, dict[str, Any], bool]:
+    def prepare(self, body: Any, headers: Mapping[str, str]) -> tuple[str, dict[str, Any], bool]:
         """Check a POST /tools body; the headers, not the model, say where the call runs (x-tool-cwd,
         x-tool-runtime, x-resp-type): those keys in params are dropped."""
         if not isinstance(body, dict):
@@ -258,10 +258,7 @@ async def _stop(process: asyncio.subprocess.Process) -> None:
         await asyncio.wait_for(asyncio.shield(process.wait()), 2)
     except (ProcessLookupError, asyncio.TimeoutError):
         pass
-    try:
-        os.killpg(process.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
+    kill_group(process.pid)
     await process.wait()
 
 

@@ -145,11 +145,11 @@ def _read(proc: subprocess.Popen, max_output: int, timeout: float, on_chunk: Cal
         if on_chunk is not None and data:
             on_chunk(data.decode("utf-8", "replace"))
     if timed_out:
-        _kill_group(proc)
+        kill_group(proc.pid)
     try:
         exit_code = proc.wait(timeout=5)
     except subprocess.TimeoutExpired:
-        _kill_group(proc)
+        kill_group(proc.pid)
         exit_code = proc.wait()
     proc.stdout.close()
     text = output.decode("utf-8", "replace")
@@ -158,9 +158,10 @@ def _read(proc: subprocess.Popen, max_output: int, timeout: float, on_chunk: Cal
     return ExecResult(text, exit_code, timed_out)
 
 
-def _kill_group(proc: subprocess.Popen) -> None:
+def kill_group(pid: int) -> None:
+    """SIGKILL to the process group `pid` leads (each command, tool child and MCP server has its own)."""
     try:
-        os.killpg(proc.pid, signal.SIGKILL)
+        os.killpg(pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
         pass
 

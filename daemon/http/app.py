@@ -360,22 +360,12 @@ async def errors_and_access(request: web.Request, handler):
     return response
 
 
-def host_tools(settings: Settings, log) -> HostTools:
-    if not settings.mcp_servers:
-        return HostTools(settings.tools, settings.tools_runtime, [], log)
-    from daemon.host_tools.mcp import McpServerConfig
-
-    servers = [McpServerConfig(name, server.command, tuple(server.args), tuple(server.env.items()), server.timeout_ms)
-               for name, server in settings.mcp_servers.items()]
-    return HostTools(settings.tools, settings.tools_runtime, servers, log)
-
-
 async def _host_tools_running(app: web.Application):
     """MCP servers listed and a --tools-runtime container started before the daemon listens; closed after."""
     from daemon.http.tool_routes import HOST_TOOLS
 
     tools = app[HOST_TOOLS]
-    if tools.enabled or tools.runtime:
+    if tools.enabled:  # a runtime with no tool to run in it: no container to start
         await tools.start()
     yield
     await tools.close()
@@ -408,7 +398,7 @@ def build_app(fleet: Fleet, settings: Settings, metrics: MetricFamilies, log) ->
     app[LISTENING] = listening
     for routes in (openai, llama_server, responses, anthropic, ollama, infill, rerank, admin, slot_files, tool_routes):
         routes.add_routes(app)
-    app[tool_routes.HOST_TOOLS] = host_tools(settings, log)
+    app[tool_routes.HOST_TOOLS] = HostTools(settings.tools, settings.tools_runtime, settings.mcp_servers, log)
     app.cleanup_ctx.append(_host_tools_running)
     if settings.status_page:  # off: / and /ui are 404, as llama-server's --no-ui leaves them
         status_page.add_routes(app)

@@ -47,9 +47,8 @@ async def call_tool(request: web.Request) -> web.StreamResponse:
         body = msgspec.json.decode(await request.read())
     except msgspec.DecodeError as exc:
         raise ApiError(400, f"the body is not JSON: {exc}", "invalid_request") from None
-    headers = {name.lower(): value for name, value in request.headers.items()}
     try:
-        name, params, stream = tools.prepare(body, headers)
+        name, params, stream = tools.prepare(body, request.headers)
         if not stream:
             answer = await tools.call(name, params)
             with tools.holding(len(answer)):
