@@ -52,6 +52,7 @@ class ExecResult:
     output: str
     exit_code: int
     timed_out: bool
+    data: bytes = b""  # the output's bytes as read (up to max_output): a file's contents, not text
 
 
 @dataclass(frozen=True)
@@ -155,7 +156,7 @@ def _read(proc: subprocess.Popen, max_output: int, timeout: float, on_chunk: Cal
     text = output.decode("utf-8", "replace")
     if truncated:
         text += "\n[output truncated]"
-    return ExecResult(text, exit_code, timed_out)
+    return ExecResult(text, exit_code, timed_out, bytes(output))
 
 
 def kill_group(pid: int) -> None:
@@ -297,7 +298,7 @@ class IsolateIO(HostIO):
     def read_file(self, path: str, limit: int) -> bytes | None:
         argv = self.prefix(["head", "-c", str(limit), "--", self.resolve(path)], False)
         result = run_process(argv, min(limit, ISOLATE_READ_MAX), ISOLATE_TIMEOUT, combine_stderr=False)
-        return result.output.encode() if result.exit_code == 0 and not result.timed_out else None
+        return result.data if result.exit_code == 0 and not result.timed_out else None
 
     def write_file(self, path: str, content: bytes) -> bool:
         result = self._exec(["sh", "-c", 'mkdir -p "$(dirname "$1")" && cat > "$1"', "_", self.resolve(path)],

@@ -60,6 +60,15 @@ def test_read_file_as_base64_is_the_header_s_choice_and_byte_exact(tmp_path):
     assert base64.b64decode(answer["base64"]) == data and answer["size_bytes"] == len(data)
 
 
+def test_a_binary_file_read_through_an_isolate_is_byte_exact(tmp_path):
+    """The isolate reads a file with `head -c`: its bytes, not its output decoded as text (every byte value)."""
+    data = bytes(range(256)) * 100
+    (tmp_path / "bin").write_bytes(data)
+    params = {"path": "bin", "resp_type": "base64"}
+    assert call("read_file", params, local_isolate(str(tmp_path))) == call("read_file", params, HostIO(str(tmp_path)))
+    assert base64.b64decode(call("read_file", params, local_isolate(str(tmp_path)))["base64"]) == data
+
+
 def test_write_then_edit_applies_every_edit_against_the_original(tmp_path):
     io = HostIO(str(tmp_path))
     assert call("write_file", {"path": "sub/log", "content": "line1\nline2\nline3\n"}, io)["result"] == \
