@@ -187,12 +187,26 @@ def glob_regex(pattern: str) -> re.Pattern[str]:
         raise ToolInputError(f"invalid glob {pattern[:100]!r}: {exc}") from None
 
 
-def path_matches(pattern: str, relative: str) -> bool:
+def path_matcher(pattern: str) -> Callable[[str], bool]:
+    """The test of one relative path, the pattern compiled once: with no '/' it matches the basename, else the
+    path (anchored with **/ unless it starts with **/ or /)."""
     if "/" not in pattern:
-        return glob_regex(pattern).match(relative.rsplit("/", 1)[-1]) is not None
+        regex = glob_regex(pattern)
+        return lambda relative: regex.match(relative.rsplit("/", 1)[-1]) is not None
     if not (pattern == "**" or pattern.startswith(("**/", "/"))):
         pattern = "**/" + pattern
-    return glob_regex(pattern.lstrip("/") if pattern.startswith("/") else pattern).match(relative) is not None
+    regex = glob_regex(pattern.lstrip("/") if pattern.startswith("/") else pattern)
+    return lambda relative: regex.match(relative) is not None
+
+
+def path_matches(pattern: str, relative: str) -> bool:
+    return path_matcher(pattern)(relative)
+
+
+def _selected(paths: list[tuple[str, bool]], include: str, exclude: str) -> list[tuple[str, bool]]:
+    """The listing's entries that `include` matches and `exclude` (if any) does not."""
+    included, excluded = path_matcher(include), path_matcher(exclude) if exclude else None
+    return [entry for entry in paths if included(entry[0]) and not (excluded and excluded(entry[0]))]
 
 
 def _glob(params: dict[str, Any], name: str, default: str) -> str:
@@ -261,8 +275,7 @@ def file_glob_search(params: dict[str, Any], io: HostIO, emit: Callable[[str], N
     entries, truncated, error = io.list_entries(base, max_depth, kind)
     if error:
         return {"error": f"{error}: {path}"}
-    matches = [(rel, is_dir) for rel, is_dir in entries
-               if path_matches(include, rel) and not (exclude and path_matches(exclude, rel))]
+    matches = _selected(entries, include, exclude)
     shown = matches[:min(limit, SEARCH_MAX_RESULTS)]
     text = "".join(f"{rel}{'/' if is_dir else ''}\n" for rel, is_dir in shown)
     text += f"\n---\nTotal matches: {len(matches)}\n"
@@ -297,8 +310,7 @@ def grep_search(params: dict[str, Any], io: HostIO, emit: Callable[[str], None] 
         entries, _, error = io.list_entries(absolute, 0, "file")
         if error:
             return {"error": f"{error}: {path}"}
-        files = [(f"{absolute.rstrip('/')}/{rel}", rel) for rel, _ in entries
-                 if path_matches(include, rel) and not (exclude and path_matches(exclude, rel))]
+        files = [(f"{absolute.rstrip('/')}/{rel}", rel) for rel, _ in _selected(entries, include, exclude)]
     else:
         return {"error": f"path does not exist: {path}"}
     numbered = show_numbers or context > 0
